@@ -1,0 +1,232 @@
+"""OutboxBroker: ``actor.send()`` writes to the outbox table in the caller's transaction.
+
+Producers get the transactional outbox; workers consume from RabbitMQ exactly as with
+Dramatiq's ``RabbitmqBroker``, which this class extends.  The relay
+(:mod:`dramatiq_reliable.outbox.relay`) moves committed rows to RabbitMQ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import psycopg
+from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from dramatiq.common import current_millis, dq_name
+from dramatiq.message import Message
+from dramatiq.middleware import Middleware
+from dramatiq.worker import ConsumerThread, WorkerThread
+from psycopg_pool import ConnectionPool
+
+from .. import _sql, schema
+from ..database import Database
+from ..errors import ConfigurationError, NotBound, OutboxWriteError, PayloadError, SchemaNotReady
+from .binding import bind, current_connection
+
+__all__ = ["OutboxBroker"]
+
+logger = logging.getLogger("dramatiq_reliable.outbox")
+
+#: The schema version the outbox needs.
+OUTBOX_SCHEMA_VERSION = 1
+
+Unbound = Literal["autocommit", "error"]
+
+
+class OutboxBroker(RabbitmqBroker):
+    """A RabbitMQ broker whose ``enqueue`` writes to a Postgres outbox instead of publishing.
+
+    Where a message goes when it is sent:
+
+    * inside :meth:`transaction` or :func:`~dramatiq_reliable.outbox.bind`: one row in the
+      bound connection's transaction.  Commit and the message will be delivered; roll back and
+      it never existed.
+    * anywhere else (``on_unbound="autocommit"``, the default): one row inserted and committed
+      on a pooled connection before ``send()`` returns, so an unbound send is durable too.  With
+      ``on_unbound="error"`` such a send raises :class:`~dramatiq_reliable.errors.NotBound`
+      instead, for apps that want every send tied to a transaction.  Sends Dramatiq makes inside
+      a worker (retries, pipelines, callbacks) always use the outbox and are never refused:
+      with RabbitMQ down they wait in Postgres instead of being acked away.
+    * the move of a delayed message from its ``.DQ`` queue, which the worker's consumer thread
+      makes when the eta passes, publishes straight to RabbitMQ with publisher confirms: the
+      delayed message stays unacked until that publish is confirmed, so nothing is lost.
+
+    The encoded message is validated before anything is written: a payload that cannot be
+    encoded raises :class:`~dramatiq_reliable.errors.PayloadError` in the caller and the
+    caller's transaction is untouched.  Payloads over ``max_payload_bytes`` are logged as a
+    warning (payloads should carry IDs, not objects).
+
+    Parameters:
+      url: RabbitMQ URL, as for ``RabbitmqBroker``.
+      database_url: Postgres URL for the broker's own pool.
+      pool: an existing ``psycopg_pool.ConnectionPool`` instead of ``database_url``.
+      schema: the Postgres schema holding the tables.
+      on_unbound: ``"autocommit"`` or ``"error"``, see above.
+      max_payload_bytes: encoded size above which a send logs a warning; ``None`` disables it.
+      confirm_delivery: publisher confirms for the consumer thread's direct publishes.
+      middleware, max_priority, parameters, **kwargs: as for ``RabbitmqBroker``.
+
+    >>> broker = OutboxBroker(url="amqp://guest:guest@localhost:5672",
+    ...                       database_url="postgresql://app@localhost/app")
+    >>> dramatiq.set_broker(broker)                                       # doctest: +SKIP
+    >>> with broker.transaction() as conn:                                # doctest: +SKIP
+    ...     conn.execute("INSERT INTO orders (id) VALUES (%s)", (42,))
+    ...     send_receipt.send(42)
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str | list[str] | None = None,
+        database_url: str | None = None,
+        pool: ConnectionPool[Any] | None = None,
+        schema: str = _sql.DEFAULT_SCHEMA,
+        on_unbound: Unbound = "autocommit",
+        max_payload_bytes: int | None = 64 * 1024,
+        confirm_delivery: bool = True,
+        middleware: list[Middleware] | None = None,
+        max_priority: int | None = None,
+        parameters: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if on_unbound not in ("autocommit", "error"):
+            raise ConfigurationError(f"on_unbound must be 'autocommit' or 'error', got {on_unbound!r}")
+        if max_payload_bytes is not None and (not isinstance(max_payload_bytes, int) or max_payload_bytes <= 0):
+            raise ConfigurationError(f"max_payload_bytes must be a positive int or None, got {max_payload_bytes!r}")
+        self.schema = _sql.validate_schema(schema)
+        self.database = Database(url=database_url, pool=pool)
+        self.on_unbound: Unbound = on_unbound
+        self.max_payload_bytes = max_payload_bytes
+        self._checked_schema = False
+        self._check_lock = threading.Lock()
+        super().__init__(
+            confirm_delivery=confirm_delivery,
+            url=url,
+            middleware=middleware,
+            max_priority=max_priority,
+            parameters=parameters,
+            **kwargs,
+        )
+
+    # -- binding -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[psycopg.Connection[Any]]:
+        """Open a pooled connection and transaction, and bind it for ``send()``.
+
+        The transaction commits when the block exits normally and rolls back when it raises;
+        do your own writes on the yielded connection so they commit with the messages.
+        """
+        with self.database.connection() as conn, conn.transaction(), bind(conn):
+            yield conn
+
+    def close(self) -> None:
+        """Close RabbitMQ connections and the pool this broker created."""
+        super().close()
+        self.database.close()
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
+        """Write ``message`` to the outbox (or publish it, for a consumer-thread delay move)."""
+        if isinstance(threading.current_thread(), ConsumerThread):
+            # The consumer thread moves a due message from .DQ to its queue; the source
+            # message is acked only after this publish succeeds, so publishing directly is safe.
+            return super().enqueue(message, delay=delay)
+
+        if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int) or delay < 0):
+            raise ConfigurationError(f"delay must be a non-negative int of milliseconds, got {delay!r}")
+        canonical_queue_name = message.queue_name
+        if delay is not None:
+            message = message.copy(queue_name=dq_name(canonical_queue_name), options={"eta": current_millis() + delay})
+        # Registers the queue (no network) so a worker sharing this broker consumes it.
+        self.declare_queue(canonical_queue_name)
+        self.emit_before("enqueue", message, delay)
+        body = self._encode(message)
+        self._insert(message, body)
+        self.emit_after("enqueue", message, delay)
+        return message
+
+    def _encode(self, message: Message[Any]) -> bytes:
+        try:
+            body = message.encode()
+        except Exception as error:
+            raise PayloadError(
+                f"message {message.message_id!r} for actor {message.actor_name!r} cannot be encoded: {error}; "
+                "send only JSON-serialisable arguments (IDs, strings, numbers), not objects"
+            ) from error
+        if self.max_payload_bytes is not None and len(body) > self.max_payload_bytes:
+            logger.warning(
+                "message %s for actor %r is %d bytes, over max_payload_bytes=%d; payloads should carry IDs, "
+                "not objects (load the record in the actor)",
+                message.message_id,
+                message.actor_name,
+                len(body),
+                self.max_payload_bytes,
+            )
+        return body
+
+    def _insert(self, message: Message[Any], body: bytes) -> None:
+        params = (
+            message.message_id,
+            message.queue_name,
+            message.actor_name,
+            body,
+            message.options.get("broker_priority"),
+            message.options.get("eta"),
+        )
+        conn = current_connection()
+        if conn is not None:
+            self._execute(conn, params)
+            return
+        if self.on_unbound == "error" and not _in_worker_thread():
+            raise NotBound(
+                f"send() of actor {message.actor_name!r} outside a transaction; wrap it in "
+                "'with broker.transaction():' or 'with bind(conn):', or build the broker with on_unbound='autocommit'"
+            )
+        # Autocommit on a pooled connection; one retry on a connection that died in the pool.
+        # A failure during COMMIT may leave the row written: the retry then adds a second row
+        # with the same message_id, which consumers dedupe (at-least-once, never zero).
+        for attempt in (1, 2):
+            try:
+                with self.database.connection() as pooled, pooled.transaction():
+                    self._execute(pooled, params)
+                return
+            except OutboxWriteError as error:
+                if attempt == 2 or not isinstance(error.__cause__, psycopg.OperationalError):
+                    raise
+
+    def _execute(self, conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> None:
+        if not self._checked_schema:
+            self._check_schema(conn)
+        try:
+            conn.execute(_sql.query("outbox_insert", self.schema), params)
+        except psycopg.errors.UndefinedTable as error:
+            self._checked_schema = False
+            raise SchemaNotReady(
+                f"outbox table {self.schema!r}.'outbox' does not exist; run 'dramatiq-reliable migrate'"
+            ) from error
+        except psycopg.Error as error:
+            raise OutboxWriteError(
+                f"could not write message {params[0]!r} to the outbox in schema {self.schema!r}: "
+                f"{type(error).__name__}: {error}; the message was not sent, check the database connection "
+                "and retry the transaction"
+            ) from error
+
+    def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
+        with self._check_lock:
+            try:
+                schema.ensure_ready(conn, schema=self.schema, required=OUTBOX_SCHEMA_VERSION, feature="outbox")
+            except psycopg.Error as error:
+                raise OutboxWriteError(
+                    f"could not check the outbox schema {self.schema!r}: {type(error).__name__}: {error}; "
+                    "check the database connection"
+                ) from error
+            self._checked_schema = True
+
+
+def _in_worker_thread() -> bool:
+    return isinstance(threading.current_thread(), WorkerThread)

@@ -1,0 +1,272 @@
+"""Pipelined publishing with publisher confirms: many messages in flight, one wait per batch.
+
+pika's ``BlockingChannel`` with confirms waits a full round trip for every message, which caps
+a relay at a few hundred messages a second.  This publisher turns on confirm mode on the
+channel's underlying asynchronous channel, publishes a whole batch, then drives the connection
+until RabbitMQ has acked or nacked every delivery tag, so a batch costs about one round trip.
+
+Queues are declared through a middleware-free ``RabbitmqBroker``, so they get exactly the
+arguments Dramatiq's workers declare (dead-letter routing to ``.XQ``, the delay queue, priority).
+
+Outcomes are per message: confirmed, or failed with a reason (nacked, unroutable, refused by a
+channel error).  A connection-level failure raises :class:`BrokerUnavailable` instead: then
+nothing can be said about any message and the caller should keep every row for later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pika
+import pika.exceptions
+from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from dramatiq.common import q_name
+from dramatiq.errors import BrokerConnectionError
+
+__all__ = ["BrokerUnavailable", "Outcome", "Publication", "Publisher"]
+
+logger = logging.getLogger("dramatiq_reliable.outbox.publisher")
+
+# Flush the socket every so many publishes so frames go out while we keep encoding.
+_FLUSH_EVERY = 128
+
+
+class BrokerUnavailable(Exception):
+    """RabbitMQ cannot be reached or the connection broke; no outcome is known for the batch."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Publication:
+    """One message to publish.  ``key`` is the caller's handle for it (an outbox row id)."""
+
+    key: int
+    routing_key: str
+    body: bytes
+    message_id: str
+    priority: int | None = None
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What RabbitMQ said about each publication of a batch."""
+
+    confirmed: list[int] = dataclasses.field(default_factory=list)
+    failed: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
+class Publisher:
+    """Publishes batches to RabbitMQ with pipelined confirms.  Not thread-safe: one per relay thread."""
+
+    def __init__(self, parameters: Any, *, max_priority: int | None = None, confirm_timeout_s: float = 30.0) -> None:
+        self._declarer = RabbitmqBroker(middleware=[], max_priority=max_priority)
+        self._declarer.parameters = parameters
+        self._confirm_timeout_s = confirm_timeout_s
+        self._channel: Any = None  # pika.channel.Channel (the asynchronous one) in confirm mode
+        self._blocking_channel: Any = None
+        self._next_tag = 0
+        self._pending: dict[int, Publication] = {}
+        self._returned: dict[str, str] = {}
+        self._outcome = Outcome()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the channel and connection; the next publish reconnects."""
+        self._reset()
+        self._declarer.close()
+
+    def _reset(self) -> None:
+        self._channel = None
+        if self._blocking_channel is not None:
+            try:
+                if self._blocking_channel.is_open:
+                    self._blocking_channel.close()
+            except Exception:  # pragma: no cover - closing a broken channel
+                logger.debug("error closing the publish channel", exc_info=True)
+            self._blocking_channel = None
+        try:
+            del self._declarer.connection
+        except Exception:  # pragma: no cover - closing a broken connection
+            logger.debug("error closing the publish connection", exc_info=True)
+        # After a reconnect (maybe to a reset server), declare every queue again.
+        self._declarer.queues_pending |= self._declarer.queues
+
+    def _open_channel(self) -> Any:
+        if self._channel is not None and self._channel.is_open:
+            return self._channel
+        self._blocking_channel = None
+        try:
+            connection = self._declarer.connection
+            blocking = connection.channel()
+            channel = blocking._impl
+            selected: list[bool] = []
+            channel.confirm_delivery(self._on_confirm, callback=lambda _frame: selected.append(True))
+            channel.add_on_return_callback(self._on_return)
+            self._wait(connection, lambda: bool(selected) or channel.is_closed)
+            if not selected:
+                raise BrokerUnavailable("RabbitMQ closed the channel while enabling publisher confirms")
+        except (pika.exceptions.AMQPError, OSError) as error:
+            self._reset()
+            raise BrokerUnavailable(f"cannot open a RabbitMQ channel: {_describe(error)}") from error
+        self._blocking_channel = blocking
+        self._channel = channel
+        self._next_tag = 0
+        return channel
+
+    # -- publishing ------------------------------------------------------------------------
+
+    def publish(self, publications: Sequence[Publication]) -> Outcome:
+        """Publish ``publications`` and wait for RabbitMQ to confirm each one.
+
+        Raises ``BrokerUnavailable`` when the connection fails; otherwise every key is in
+        ``confirmed`` or ``failed`` of the returned outcome.
+        """
+        outcome = Outcome()
+        ready = self._declare_queues(publications, outcome)
+        remaining = list(ready)
+        while remaining:
+            unresolved = self._publish_pipelined(remaining, outcome)
+            if not unresolved:
+                break
+            # A channel error refused some message of the batch without saying which; publish
+            # the unresolved ones one at a time so only the culprit is marked failed.
+            for publication in unresolved:
+                if self._publish_pipelined([publication], outcome):
+                    outcome.failed[publication.key] = self._last_channel_error or "channel closed by RabbitMQ"
+            remaining = []
+        return outcome
+
+    _last_channel_error: str | None = None
+
+    def _declare_queues(self, publications: Sequence[Publication], outcome: Outcome) -> list[Publication]:
+        by_queue: dict[str, list[Publication]] = {}
+        for publication in publications:
+            by_queue.setdefault(q_name(publication.routing_key), []).append(publication)
+        ready: list[Publication] = []
+        for queue_name, members in by_queue.items():
+            try:
+                self._declarer.declare_queue(queue_name, ensure=True)
+            except Exception as error:
+                if isinstance(error, BrokerConnectionError):
+                    self._channel = None
+                    self._check_connection(error)
+                # The server is reachable, so this queue itself is the problem.
+                reason = f"cannot declare queue {queue_name!r}: {_describe(error.__context__ or error)}"
+                for publication in members:
+                    outcome.failed[publication.key] = reason
+                continue
+            ready.extend(members)
+        return ready
+
+    def _check_connection(self, cause: BaseException) -> None:
+        try:
+            self._declarer.channel  # noqa: B018 - opens a connection and channel if possible
+        except (pika.exceptions.AMQPError, OSError, BrokerConnectionError) as error:
+            self._reset()
+            raise BrokerUnavailable(f"RabbitMQ is unreachable: {_describe(error)}") from cause
+
+    def _publish_pipelined(self, publications: Sequence[Publication], outcome: Outcome) -> list[Publication]:
+        """Publish and wait; return the publications left without an outcome by a channel error."""
+        channel = self._open_channel()
+        connection = self._declarer.connection
+        self._pending = {}
+        self._returned = {}
+        self._outcome = outcome
+        self._last_channel_error = None
+        try:
+            for index, publication in enumerate(publications, 1):
+                if channel.is_closed:
+                    break
+                properties = pika.BasicProperties(
+                    delivery_mode=2, priority=publication.priority, message_id=publication.message_id
+                )
+                try:
+                    frame = pika.spec.Basic.Publish(exchange="", routing_key=publication.routing_key, mandatory=True)
+                    frame.encode()  # a routing key pika cannot encode fails here, alone, not mid-stream
+                except (ValueError, TypeError, pika.exceptions.ShortStringTooLong) as error:
+                    outcome.failed[publication.key] = f"cannot publish: {_describe(error)}"
+                    continue
+                self._next_tag += 1
+                self._pending[self._next_tag] = publication
+                channel.basic_publish(
+                    exchange="",
+                    routing_key=publication.routing_key,
+                    body=publication.body,
+                    properties=properties,
+                    mandatory=True,
+                )
+                if index % _FLUSH_EVERY == 0:
+                    connection.process_data_events(0)
+            deadline = time.monotonic() + self._confirm_timeout_s
+            self._wait(
+                connection,
+                lambda: not self._pending or channel.is_closed or time.monotonic() >= deadline,
+                deadline=deadline,
+            )
+        except (pika.exceptions.ChannelClosed, pika.exceptions.ChannelWrongStateError):
+            pass  # handled below as a channel error
+        except (pika.exceptions.AMQPError, OSError) as error:
+            self._reset()
+            raise BrokerUnavailable(f"lost the RabbitMQ connection while publishing: {_describe(error)}") from error
+        if channel.is_closed:
+            reason = getattr(channel, "_closing_reason", None)
+            self._last_channel_error = (
+                f"RabbitMQ closed the channel: {_describe(reason) if reason else 'unknown reason'}"
+            )
+            self._channel = None
+            unresolved = [p for p in publications if p.key not in outcome.failed and p.key not in outcome.confirmed]
+            self._pending = {}
+            return unresolved
+        if self._pending:
+            self._reset()
+            raise BrokerUnavailable(
+                f"RabbitMQ did not confirm {len(self._pending)} messages in {self._confirm_timeout_s}s"
+            )
+        return []
+
+    def _wait(self, connection: Any, done: Any, *, deadline: float | None = None) -> None:
+        deadline = deadline if deadline is not None else time.monotonic() + self._confirm_timeout_s
+        # A timer makes the I/O loop wake at the deadline even if RabbitMQ stays silent.
+        timer = connection.call_later(max(0.0, deadline - time.monotonic()), lambda: None)
+        try:
+            # _flush_output drives pika's I/O loop until done() holds: confirms are dispatched
+            # to our callbacks as frames arrive, with no polling interval added to latency.
+            connection._flush_output(lambda: done() or time.monotonic() >= deadline)
+        finally:
+            if connection.is_open:
+                connection.remove_timeout(timer)
+
+    # -- callbacks from pika's I/O loop ----------------------------------------------------
+
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        tag = method.delivery_tag
+        tags = [t for t in self._pending if t <= tag] if method.multiple else [tag]
+        acked = isinstance(method, pika.spec.Basic.Ack)
+        for t in tags:
+            publication = self._pending.pop(t, None)
+            if publication is None:
+                continue
+            returned = self._returned.pop(publication.message_id, None)
+            if acked and returned is None:
+                self._outcome.confirmed.append(publication.key)
+            else:
+                self._outcome.failed[publication.key] = returned or "RabbitMQ nacked the message"
+                if returned is not None:
+                    # The queue vanished after we declared it: declare it again next time.
+                    self._declarer.queues_pending.add(q_name(publication.routing_key))
+
+    def _on_return(self, _channel: Any, method: Any, properties: Any, _body: bytes) -> None:
+        self._returned[properties.message_id] = (
+            f"unroutable: RabbitMQ returned the message ({method.reply_code} {method.reply_text}) "
+            f"for routing key {method.routing_key!r}"
+        )
+
+
+def _describe(error: object) -> str:
+    text = str(error) or repr(error)
+    return f"{type(error).__name__}: {text}" if isinstance(error, BaseException) else text

@@ -1,0 +1,411 @@
+"""The relay: moves committed outbox rows to RabbitMQ, and marks them only after RabbitMQ confirmed.
+
+One pass claims a batch of rows with ``SELECT ... FOR UPDATE SKIP LOCKED`` inside a
+transaction, publishes them with pipelined publisher confirms, then marks (or deletes) the
+confirmed rows and commits.  A crash anywhere before that commit leaves the rows unpublished
+and a later pass publishes them again with the same ``message_id``: delivery into RabbitMQ is
+at least once, never zero.
+
+Between passes the relay sleeps on ``LISTEN`` for the NOTIFY that every outbox insert sends on
+commit, with a polling fallback, and listens again after a dropped connection.  With RabbitMQ
+unreachable it keeps the rows, backs off without counting attempts against them, and drains
+when RabbitMQ returns.  A row that fails on its own (a nack, an unroutable or oversized message)
+gets ``attempts`` and ``last_error`` and waits, backing off, while the others go through.
+
+Run it as a process (``dramatiq-reliable relay``) or inside every worker process with the
+:class:`WorkerRelay` middleware; any number of relays may run at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+from typing import Any, ClassVar, Literal
+
+import psycopg
+from dramatiq.broker import Broker
+from dramatiq.middleware import Middleware
+from psycopg import sql
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from .. import _sql, events, schema
+from ..database import Database
+from ..errors import ConfigurationError, SchemaNotReady
+from .broker import OUTBOX_SCHEMA_VERSION, OutboxBroker
+from .publisher import BrokerUnavailable, Publication, Publisher
+
+__all__ = [
+    "OutboxBrokerUnavailable",
+    "OutboxPublished",
+    "OutboxRowFailed",
+    "Relay",
+    "RelayPass",
+    "WorkerRelay",
+]
+
+logger = logging.getLogger("dramatiq_reliable.outbox.relay")
+
+_MAX_ERROR_CHARS = 2000
+_WAIT_SLICE_S = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxPublished(events.Event):
+    """A relay pass published ``count`` rows, confirmed by RabbitMQ."""
+
+    name: ClassVar[str] = "outbox.published"
+    level: ClassVar[int] = logging.DEBUG
+    count: int
+    schema: str
+    duration_ms: float
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxRowFailed(events.Event):
+    """One row could not be published on its own; it waits and is tried again."""
+
+    name: ClassVar[str] = "outbox.row_failed"
+    level: ClassVar[int] = logging.WARNING
+    row_id: int
+    message_id: str
+    queue_name: str
+    attempts: int
+    error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxBrokerUnavailable(events.Event):
+    """RabbitMQ could not be reached; rows wait and the relay backs off."""
+
+    name: ClassVar[str] = "outbox.broker_unavailable"
+    level: ClassVar[int] = logging.WARNING
+    error: str
+    retry_in_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RelayPass:
+    """What one pass did: rows published and rows that failed on their own."""
+
+    published: int
+    failed: int
+
+    @property
+    def claimed(self) -> int:
+        return self.published + self.failed
+
+
+class Relay:
+    """Forwards outbox rows to RabbitMQ.  Build it with :meth:`from_broker` in most apps.
+
+    Parameters:
+      rabbitmq_url: RabbitMQ URL (or ``parameters``: pika connection parameters).
+      database_url / pool / database: where the outbox lives (exactly one).
+      schema: the Postgres schema of the tables.
+      batch_size: rows claimed and published per pass.
+      poll_interval_ms: longest sleep between passes when no NOTIFY arrives.
+      on_published: ``"mark"`` sets ``published_at`` (rows kept for ``retention_ms``, handy
+        for audits) or ``"delete"`` removes rows as soon as they are confirmed.
+      retention_ms: how long published rows are kept; ``None`` keeps them until purged by hand.
+      purge_interval_ms: how often the relay purges rows past retention.
+      max_priority: as for ``RabbitmqBroker``; must match the workers' setting.
+      confirm_timeout_ms: how long to wait for RabbitMQ's confirms before giving up on a batch.
+      backoff_min_ms / backoff_max_ms: the wait after RabbitMQ or Postgres was unreachable.
+      row_backoff_max_ms: the longest wait of a row that keeps failing on its own.
+      listen: wake on NOTIFY; ``False`` polls only.
+    """
+
+    def __init__(
+        self,
+        *,
+        rabbitmq_url: str | None = None,
+        parameters: Any = None,
+        database_url: str | None = None,
+        pool: ConnectionPool[Any] | None = None,
+        database: Database | None = None,
+        schema: str = _sql.DEFAULT_SCHEMA,
+        batch_size: int = 500,
+        poll_interval_ms: int = 1000,
+        on_published: Literal["mark", "delete"] = "mark",
+        retention_ms: int | None = 24 * 3600 * 1000,
+        purge_interval_ms: int = 60_000,
+        max_priority: int | None = None,
+        confirm_timeout_ms: int = 30_000,
+        backoff_min_ms: int = 200,
+        backoff_max_ms: int = 30_000,
+        row_backoff_max_ms: int = 300_000,
+        listen: bool = True,
+    ) -> None:
+        import pika
+
+        if (rabbitmq_url is None) == (parameters is None):
+            raise ConfigurationError("pass exactly one of rabbitmq_url= and parameters= to Relay")
+        if database is None:
+            database = Database(url=database_url, pool=pool)
+        elif database_url is not None or pool is not None:
+            raise ConfigurationError("pass only one of database=, database_url= and pool= to Relay")
+        for name, value, minimum in (
+            ("batch_size", batch_size, 1),
+            ("poll_interval_ms", poll_interval_ms, 1),
+            ("purge_interval_ms", purge_interval_ms, 1),
+            ("confirm_timeout_ms", confirm_timeout_ms, 1),
+            ("backoff_min_ms", backoff_min_ms, 1),
+            ("backoff_max_ms", backoff_max_ms, backoff_min_ms),
+            ("row_backoff_max_ms", row_backoff_max_ms, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigurationError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if on_published not in ("mark", "delete"):
+            raise ConfigurationError(f"on_published must be 'mark' or 'delete', got {on_published!r}")
+        if retention_ms is not None and (not isinstance(retention_ms, int) or retention_ms < 0):
+            raise ConfigurationError(f"retention_ms must be a non-negative int or None, got {retention_ms!r}")
+        self.schema = _sql.validate_schema(schema)
+        self.database = database
+        self.batch_size = batch_size
+        self.poll_interval_s = poll_interval_ms / 1000
+        self.on_published = on_published
+        self.retention_ms = retention_ms
+        self.purge_interval_s = purge_interval_ms / 1000
+        self.backoff_min_s = backoff_min_ms / 1000
+        self.backoff_max_s = backoff_max_ms / 1000
+        self.row_backoff_max_s = row_backoff_max_ms / 1000
+        self.listen = listen
+        if parameters is None:
+            parameters = [pika.URLParameters(u) for u in str(rabbitmq_url).split(";")]
+            parameters = parameters[0] if len(parameters) == 1 else parameters
+        self.publisher = Publisher(parameters, max_priority=max_priority, confirm_timeout_s=confirm_timeout_ms / 1000)
+        self._stop = threading.Event()
+        self._checked_schema = False
+        self._listener: psycopg.Connection[Any] | None = None
+
+    @classmethod
+    def from_broker(cls, broker: OutboxBroker, **options: Any) -> Relay:
+        """A relay that shares ``broker``'s RabbitMQ parameters, pool, schema and priority."""
+        if not isinstance(broker, OutboxBroker):
+            raise ConfigurationError(
+                f"Relay.from_broker() needs an OutboxBroker, got {type(broker).__name__!r}; "
+                "build your broker with dramatiq_reliable.OutboxBroker"
+            )
+        options.setdefault("schema", broker.schema)
+        options.setdefault("max_priority", broker.max_priority)
+        return cls(parameters=broker.parameters, database=broker.database, **options)
+
+    # -- one pass --------------------------------------------------------------------------
+
+    def drain_once(self) -> RelayPass:
+        """Claim one batch, publish it, record the outcome and commit.
+
+        Raises ``BrokerUnavailable`` (rows untouched) when RabbitMQ cannot be reached, and
+        psycopg errors when Postgres cannot.
+        """
+        started = time.perf_counter()
+        with self.database.connection() as conn, conn.transaction():
+            if not self._checked_schema:
+                schema.ensure_ready(conn, schema=self.schema, required=OUTBOX_SCHEMA_VERSION, feature="outbox")
+                self._checked_schema = True
+            rows = conn.execute(_sql.query("outbox_claim", self.schema), (self.batch_size,)).fetchall()
+            if not rows:
+                return RelayPass(0, 0)
+            publications = [
+                Publication(key=row[0], routing_key=row[2], body=bytes(row[3]), message_id=row[1], priority=row[4])
+                for row in rows
+            ]
+            # Raises BrokerUnavailable: the transaction rolls back and no row is touched.
+            outcome = self.publisher.publish(publications)
+            if outcome.confirmed:
+                done = "outbox_delete_published" if self.on_published == "delete" else "outbox_mark_published"
+                conn.execute(_sql.query(done, self.schema), (outcome.confirmed,))
+            if outcome.failed:
+                self._record_failures(conn, rows, outcome.failed)
+        if outcome.confirmed:
+            events.emit(OutboxPublished(len(outcome.confirmed), self.schema, (time.perf_counter() - started) * 1000))
+        return RelayPass(len(outcome.confirmed), len(outcome.failed))
+
+    def _record_failures(self, conn: psycopg.Connection[Any], rows: list[Any], failed: dict[int, str]) -> None:
+        ids = list(failed)
+        errors = [failed[i][:_MAX_ERROR_CHARS] for i in ids]
+        attempts = dict(
+            conn.execute(
+                _sql.query("outbox_record_failure", self.schema),
+                {"ids": ids, "errors": errors, "base_s": self.backoff_min_s, "max_s": self.row_backoff_max_s},
+            ).fetchall()
+        )
+        by_id = {row[0]: row for row in rows}
+        for row_id, error in zip(ids, errors, strict=True):
+            row = by_id[row_id]
+            events.emit(OutboxRowFailed(row_id, row[1], row[2], attempts.get(row_id, 0), error))
+
+    def drain(self) -> int:
+        """Run passes until the backlog is empty (or the relay is stopped); return rows published."""
+        total = 0
+        while not self._stop.is_set():
+            result = self.drain_once()
+            total += result.published
+            if result.claimed < self.batch_size:
+                break
+        return total
+
+    def purge(self, *, older_than_ms: int | None = None, batch: int = 5000) -> int:
+        """Delete published rows older than ``older_than_ms`` (default: ``retention_ms``)."""
+        return purge_published(
+            self.database, schema=self.schema, older_than_ms=older_than_ms or self.retention_ms or 0, batch=batch
+        )
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the batch in hand; safe from signal handlers."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> None:
+        """Relay until :meth:`stop` is called.  Never raises for an outage of Postgres or RabbitMQ."""
+        failures = 0
+        next_purge = time.monotonic()
+        logger.info("outbox relay started on schema %r", self.schema)
+        try:
+            while not self._stop.is_set():
+                try:
+                    if self.listen and self._listener is None:
+                        self._listener = self._open_listener()
+                    self.drain()
+                    if failures:
+                        logger.warning("outbox relay recovered after %d failed attempts", failures)
+                    failures = 0
+                    if self.retention_ms is not None and time.monotonic() >= next_purge:
+                        self.purge()
+                        next_purge = time.monotonic() + self.purge_interval_s
+                    self._wait()
+                except BrokerUnavailable as error:
+                    failures += 1
+                    delay = self._backoff(failures)
+                    events.emit(OutboxBrokerUnavailable(str(error), int(delay * 1000)))
+                    self._stop.wait(delay)
+                except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as error:
+                    failures += 1
+                    delay = self._backoff(failures)
+                    logger.warning(
+                        "outbox relay cannot reach Postgres (%s: %s); retrying in %.1fs",
+                        type(error).__name__,
+                        _first_line(error),
+                        delay,
+                    )
+                    self._close_listener()
+                    self._stop.wait(delay)
+                except SchemaNotReady:
+                    raise
+                except Exception:
+                    # Never die quietly: a relay that stops leaves work stranded in the outbox.
+                    failures += 1
+                    delay = self._backoff(failures)
+                    logger.exception("outbox relay failed unexpectedly; retrying in %.1fs", delay)
+                    self._close_listener()
+                    self._stop.wait(delay)
+        finally:
+            self._close_listener()
+            self.publisher.close()
+            logger.info("outbox relay stopped")
+
+    def _backoff(self, failures: int) -> float:
+        ceiling = min(self.backoff_max_s, self.backoff_min_s * 2 ** min(failures - 1, 20))
+        return random.uniform(ceiling / 2, ceiling)
+
+    def _open_listener(self) -> psycopg.Connection[Any]:
+        conn = self.database.connect(autocommit=True)
+        try:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(f"{self.schema}.outbox")))
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except Exception:  # pragma: no cover - closing a broken connection
+                logger.debug("error closing the LISTEN connection", exc_info=True)
+            self._listener = None
+
+    def _wait(self) -> None:
+        """Sleep until a NOTIFY, the poll interval or stop(), whichever comes first."""
+        deadline = time.monotonic() + self.poll_interval_s
+        while not self._stop.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if self._listener is None:
+                self._stop.wait(min(remaining, _WAIT_SLICE_S))
+                continue
+            # Short slices keep stop() responsive; a notify ends the wait at once.
+            for _ in self._listener.notifies(timeout=min(remaining, _WAIT_SLICE_S), stop_after=1):
+                return
+
+
+def purge_published(database: Database, *, schema: str, older_than_ms: int, batch: int = 5000) -> int:
+    """Delete published outbox rows older than ``older_than_ms``, in batches; return the count."""
+    if isinstance(older_than_ms, bool) or not isinstance(older_than_ms, int) or older_than_ms < 0:
+        raise ConfigurationError(f"older_than_ms must be a non-negative int, got {older_than_ms!r}")
+    total = 0
+    while True:
+        with database.connection() as conn, conn.transaction():
+            deleted = conn.execute(
+                _sql.query("outbox_purge", _sql.validate_schema(schema)),
+                {"older_than_s": older_than_ms / 1000, "batch": batch},
+            ).rowcount
+        total += deleted
+        if deleted < batch:
+            return total
+
+
+class WorkerRelay(Middleware):
+    """Runs a relay thread inside every worker process, so no separate relay process is needed.
+
+    Each worker process drains the outbox; SKIP LOCKED keeps them from publishing a row twice
+    in the same pass.  The thread starts when the worker boots and stops, finishing its batch,
+    when the worker shuts down.
+
+    >>> broker = OutboxBroker(url=..., database_url=...)        # doctest: +SKIP
+    >>> broker.add_middleware(WorkerRelay())                     # doctest: +SKIP
+    """
+
+    def __init__(self, **relay_options: Any) -> None:
+        self.relay_options = relay_options
+        self.relay: Relay | None = None
+        self._thread: threading.Thread | None = None
+
+    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
+        if not isinstance(broker, OutboxBroker):
+            logger.error(
+                "WorkerRelay needs an OutboxBroker, got %s; no relay runs in this worker", type(broker).__name__
+            )
+            return
+        self.relay = Relay.from_broker(broker, **self.relay_options)
+        self._thread = threading.Thread(
+            target=self._run, args=(self.relay,), name="dramatiq-reliable-relay", daemon=True
+        )
+        self._thread.start()
+
+    @staticmethod
+    def _run(relay: Relay) -> None:
+        try:
+            relay.run()
+        except SchemaNotReady as error:
+            logger.critical("the outbox relay in this worker stopped: %s", error)
+
+    def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
+        if self.relay is not None and self._thread is not None:
+            self.relay.stop()
+            self._thread.join(timeout=30)
+            self.relay = None
+            self._thread = None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]

@@ -1,0 +1,152 @@
+"""Versioned migrations of the one Postgres schema that holds every table of this package.
+
+Migrations are the files ``sql/migrations/NNNN_name.sql``, applied in order inside one
+transaction that holds an advisory lock, so any number of processes may call :func:`migrate`
+at once: the first applies, the others wait and find nothing left to do.  Teams that run
+migrations through Alembic or Django print the same SQL with :func:`migration_sql`
+(``dramatiq-reliable migrate --sql``) and record it in their own tool.
+
+Every component checks, once per process, that the schema is at least at the version it needs
+and raises :class:`~dramatiq_reliable.errors.SchemaNotReady` naming the command to run otherwise.
+That check uses ``to_regclass`` and so never aborts the caller's transaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from importlib import resources
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from . import _sql
+from .errors import SchemaNotReady
+
+__all__ = [
+    "LATEST_VERSION",
+    "Migration",
+    "current_version",
+    "ensure_ready",
+    "migrate",
+    "migration_sql",
+    "migrations",
+]
+
+_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Migration:
+    """One migration file: its version (the ``NNNN`` prefix), name and SQL text."""
+
+    version: int
+    name: str
+    text: str
+
+
+@functools.lru_cache(maxsize=1)
+def migrations() -> tuple[Migration, ...]:
+    """Every migration shipped with the package, in version order."""
+    found = []
+    folder = resources.files(__package__).joinpath("sql").joinpath("migrations")
+    for entry in folder.iterdir():
+        match = _FILE.match(entry.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
+    found.sort(key=lambda m: m.version)
+    versions = [m.version for m in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise RuntimeError(f"migration versions must run 1..N without gaps, found {versions!r}")
+    return tuple(found)
+
+
+LATEST_VERSION = len(migrations())
+
+
+def migration_sql(*, schema: str = _sql.DEFAULT_SCHEMA, since: int = 0) -> str:
+    """The SQL that brings ``schema`` from version ``since`` to the latest, as one script.
+
+    It records each version in ``<schema>.migrations`` as :func:`migrate` does, so a schema
+    migrated by hand and one migrated by the command are indistinguishable.
+    """
+    _sql.validate_schema(schema)
+    parts = [_header(schema).as_string(None)]
+    for migration in migrations():
+        if migration.version <= since:
+            continue
+        parts.append(f"-- {migration.version:04d}_{migration.name}")
+        parts.append(_sql.compose(migration.text, schema).as_string(None).strip())
+        parts.append(_record(schema, migration).as_string(None))
+    return "\n\n".join(parts) + "\n"
+
+
+def migrate(conninfo: str | psycopg.Connection[Any], *, schema: str = _sql.DEFAULT_SCHEMA) -> list[int]:
+    """Apply every migration ``schema`` lacks and return the versions applied (maybe none).
+
+    ``conninfo`` is a libpq URL or an open connection with no transaction in progress.  All
+    pending migrations commit together or not at all.
+    """
+    _sql.validate_schema(schema)
+    if isinstance(conninfo, psycopg.Connection):
+        return _migrate(conninfo, schema)
+    with psycopg.connect(conninfo) as conn:
+        return _migrate(conn, schema)
+
+
+def _migrate(conn: psycopg.Connection[Any], schema: str) -> list[int]:
+    applied = []
+    with conn.transaction():
+        # One lock per schema: concurrent migrators queue up here instead of racing on CREATE.
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"dramatiq_reliable.migrate:{schema}",))
+        conn.execute(_header(schema))
+        version = _version(conn, schema) or 0
+        for migration in migrations():
+            if migration.version > version:
+                conn.execute(_sql.compose(migration.text, schema))
+                conn.execute(_record(schema, migration))
+                applied.append(migration.version)
+    return applied
+
+
+def current_version(conn: psycopg.Connection[Any], *, schema: str = _sql.DEFAULT_SCHEMA) -> int | None:
+    """The schema's version, or ``None`` if it was never migrated.  Never raises on a missing table."""
+    return _version(conn, _sql.validate_schema(schema))
+
+
+def ensure_ready(conn: psycopg.Connection[Any], *, schema: str, required: int, feature: str) -> None:
+    """Raise ``SchemaNotReady`` unless ``schema`` is at least at version ``required``."""
+    version = _version(conn, schema)
+    command = "dramatiq-reliable migrate" + ("" if schema == _sql.DEFAULT_SCHEMA else f" --schema {schema}")
+    if version is None:
+        raise SchemaNotReady(
+            f"the {feature} tables in schema {schema!r} do not exist; run {command!r} "
+            "(or apply 'dramatiq-reliable migrate --sql' through your migration tool)"
+        )
+    if version < required:
+        raise SchemaNotReady(
+            f"schema {schema!r} is at version {version} but {feature} needs version {required}; run {command!r}"
+        )
+
+
+def _version(conn: psycopg.Connection[Any], schema: str) -> int | None:
+    # to_regclass returns NULL for a missing table instead of raising, so the caller's
+    # transaction stays usable whatever state the schema is in.
+    name = sql.Identifier(schema, "migrations").as_string(conn)
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()
+    if not row or not row[0]:
+        return None
+    row = conn.execute(sql.SQL("SELECT max(version) FROM {}").format(sql.Identifier(schema, "migrations"))).fetchone()
+    return int(row[0]) if row and row[0] is not None else None
+
+
+def _header(schema: str) -> sql.Composed:
+    return _sql.query("schema_header", schema)
+
+
+def _record(schema: str, migration: Migration) -> sql.Composed:
+    return sql.SQL("INSERT INTO {}.migrations (version, name) VALUES ({}, {});").format(
+        sql.Identifier(schema), sql.Literal(migration.version), sql.Literal(migration.name)
+    )

@@ -1,0 +1,1 @@
+DELETE FROM {schema}.outbox WHERE id = ANY(%s)

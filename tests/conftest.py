@@ -1,0 +1,106 @@
+"""Fixtures: a fresh Postgres schema and fresh RabbitMQ queue names for every test.
+
+Services come from ``DATABASE_URL`` and ``RABBITMQ_URL`` (default: the local servers).  A
+missing service skips the tests that need it on a laptop, and fails the run when ``CI=true``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import dramatiq
+import pika
+import psycopg
+import pytest
+from dramatiq.common import dq_name, xq_name
+from support import Rabbit
+
+from dramatiq_reliable import OutboxBroker, schema
+
+DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _unavailable(service: str, error: BaseException) -> None:
+    message = f"{service} is not reachable ({type(error).__name__}: {error})"
+    if IN_CI:
+        pytest.fail(f"{message}; CI=true, so this is a failure, not a skip", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def database_url() -> str:
+    try:
+        with psycopg.connect(DATABASE_URL, connect_timeout=5) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.OperationalError as error:
+        _unavailable("Postgres", error)
+    return DATABASE_URL
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_url() -> str:
+    try:
+        pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL)).close()
+    except pika.exceptions.AMQPError as error:
+        _unavailable("RabbitMQ", error)
+    return RABBITMQ_URL
+
+
+@pytest.fixture
+def unmigrated_schema(database_url: str) -> Iterator[str]:
+    """A schema name no table uses yet; dropped after the test."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    yield name
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(psycopg.sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(psycopg.sql.Identifier(name)))
+
+
+@pytest.fixture
+def db_schema(unmigrated_schema: str, database_url: str) -> str:
+    """A freshly migrated schema of the test's own."""
+    schema.migrate(database_url, schema=unmigrated_schema)
+    return unmigrated_schema
+
+
+@pytest.fixture
+def db(database_url: str) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection for assertions."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        yield conn
+
+
+@pytest.fixture
+def rabbit(rabbitmq_url: str) -> Iterator[Rabbit]:
+    reader = Rabbit(rabbitmq_url)
+    yield reader
+    reader.close()
+
+
+@pytest.fixture
+def queue_name(rabbit: Rabbit) -> Iterator[str]:
+    """A queue name of the test's own; the queue and its .DQ/.XQ are deleted afterwards."""
+    name = f"q_{uuid.uuid4().hex[:12]}"
+    yield name
+    rabbit.delete(name, dq_name(name), xq_name(name))
+
+
+@pytest.fixture
+def broker(rabbitmq_url: str, database_url: str, db_schema: str) -> Iterator[OutboxBroker]:
+    """An OutboxBroker on the test's schema, set as Dramatiq's global broker."""
+    outbox_broker = OutboxBroker(url=rabbitmq_url, database_url=database_url, schema=db_schema)
+    dramatiq.set_broker(outbox_broker)
+    yield outbox_broker
+    outbox_broker.close()
+
+
+@pytest.fixture
+def worker(broker: OutboxBroker) -> Iterator[dramatiq.Worker]:
+    """An in-process Dramatiq worker on ``broker``, started by the test with ``worker.start()``."""
+    instance = dramatiq.Worker(broker, worker_timeout=100, worker_threads=2)
+    yield instance
+    instance.stop()

@@ -1,0 +1,139 @@
+"""Test support: a TCP proxy the test owns (for outages) and a RabbitMQ reader."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pika
+
+
+class TcpProxy:
+    """Forwards a local port to ``target``; ``stop()`` closes the port and cuts live connections.
+
+    Tests simulate an outage of Postgres or RabbitMQ with this, never by stopping the server.
+    """
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self._server: socket.socket | None = None
+        self._sockets: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    def start(self) -> TcpProxy:
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", self.port))
+        server.listen(64)
+        self._server = server
+        threading.Thread(target=self._accept, args=(server,), daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        """Close the listening port and every forwarded connection (an outage)."""
+        server, self._server = self._server, None
+        if server is not None:
+            with contextlib.suppress(OSError):
+                server.shutdown(socket.SHUT_RDWR)
+            server.close()
+        with self._lock:
+            sockets, self._sockets = self._sockets, set()
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _accept(self, server: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = server.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets |= {client, upstream}
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
+
+
+class Rabbit:
+    """Reads what reached RabbitMQ, over its own connection."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.connection = pika.BlockingConnection(pika.URLParameters(url))
+        self.channel = self.connection.channel()
+
+    def count(self, queue: str) -> int:
+        try:
+            return int(self.channel.queue_declare(queue=queue, passive=True).method.message_count)
+        except pika.exceptions.ChannelClosedByBroker:
+            self.channel = self.connection.channel()
+            return 0
+
+    def take_all(self, queue: str, *, expect: int | None = None, idle_s: float = 0.5) -> list[dict[str, Any]]:
+        """Consume (and ack) every message now in ``queue``; decoded Dramatiq bodies."""
+        if self.count(queue) == 0 and not expect:
+            return []
+        bodies: list[dict[str, Any]] = []
+        self.channel.basic_qos(prefetch_count=1000)
+        for method, _props, body in self.channel.consume(queue, inactivity_timeout=idle_s):
+            if method is None:
+                if expect is None or len(bodies) >= expect:
+                    break
+                continue
+            bodies.append(json.loads(body))
+            if len(bodies) % 500 == 0:
+                self.channel.basic_ack(method.delivery_tag, multiple=True)
+            last = method.delivery_tag
+            if expect is not None and len(bodies) >= expect and self.count(queue) == 0:
+                break
+        self.channel.cancel()
+        if bodies:
+            self.channel.basic_ack(last, multiple=True)
+        return bodies
+
+    def delete(self, *queues: str) -> None:
+        for queue in queues:
+            try:
+                self.channel.queue_delete(queue)
+            except pika.exceptions.ChannelClosedByBroker:
+                self.channel = self.connection.channel()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.connection.close()
+
+
+@contextlib.contextmanager
+def running(thread_target: Any, stop: Any) -> Iterator[threading.Thread]:
+    """Run ``thread_target`` in a thread for the block, then call ``stop`` and join."""
+    thread = threading.Thread(target=thread_target, daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        stop()
+        thread.join(timeout=30)
