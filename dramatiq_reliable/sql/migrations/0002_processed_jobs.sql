@@ -1,0 +1,2 @@
+-- processed jobs (Idempotency): filled in by the idempotency work
+SELECT 1;

@@ -1,0 +1,2 @@
+-- dead letters: filled in by the dead-letters work
+SELECT 1;
