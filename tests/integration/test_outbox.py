@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import dramatiq
+import pika
 import psycopg
 import pytest
 from dramatiq.common import dq_name
@@ -201,12 +202,14 @@ def test_two_relays_in_parallel_publish_every_row_once(broker, queue_name, rabbi
     assert {b["message_id"] for b in bodies} == ids
 
 
-def test_rabbitmq_unreachable_then_back_delivers_everything(broker, queue_name, rabbit, db, db_schema):
+def test_rabbitmq_unreachable_then_back_delivers_everything(broker, queue_name, rabbit, db, db_schema, rabbitmq_url):
     task = _actor(broker, queue_name)
     with broker.transaction():
         sent = [task.send(i) for i in range(200)]
-    proxy = TcpProxy("127.0.0.1", 5672)  # not started: a closed port
-    url = f"amqp://guest:guest@127.0.0.1:{proxy.port}/%2F?connection_attempts=1"
+    real = pika.URLParameters(rabbitmq_url)
+    proxy = TcpProxy(real.host, real.port)  # not started yet: a closed port
+    user, password = real.credentials.username, real.credentials.password
+    url = f"amqp://{user}:{password}@127.0.0.1:{proxy.port}/%2F?connection_attempts=1"
     relay = Relay(
         rabbitmq_url=url,
         database=broker.database,

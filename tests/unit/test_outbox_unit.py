@@ -1,0 +1,114 @@
+"""Argument validation and pure helpers of the outbox, schema and CLI: no network."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dramatiq_reliable import ConfigurationError, OutboxBroker, Relay, bind, current_connection, schema
+from dramatiq_reliable._sql import compose, validate_schema
+from dramatiq_reliable.cli import _duration_ms
+from dramatiq_reliable.database import Database
+
+
+def test_bind_rejects_what_is_not_a_psycopg_connection_and_says_what_to_pass():
+    class SqlAlchemyLike:
+        driver_connection = None
+
+    with pytest.raises(ConfigurationError, match="driver_connection"), bind(SqlAlchemyLike()):  # type: ignore[arg-type]
+        pass
+    assert current_connection() is None
+
+
+@pytest.mark.parametrize(
+    ("schema_name", "fix"),
+    [("", "non-empty"), ("x" * 57, "shorter"), (None, "non-empty"), ("a\x00b", "NUL")],
+)
+def test_bad_schema_names_are_refused(schema_name, fix):
+    with pytest.raises(ConfigurationError, match=fix):
+        validate_schema(schema_name)
+
+
+def test_schema_names_are_quoted_identifiers_never_text():
+    composed = compose("SELECT * FROM {schema}.outbox", 'evil"; DROP TABLE x; --')
+    assert composed.as_string(None) == 'SELECT * FROM "evil""; DROP TABLE x; --".outbox'
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fix"),
+    [
+        ({"on_unbound": "drop"}, "on_unbound must be 'autocommit' or 'error'"),
+        ({"max_payload_bytes": 0}, "max_payload_bytes must be a positive int"),
+        ({"schema": ""}, "schema must be a non-empty string"),
+    ],
+)
+def test_outbox_broker_validates_its_arguments(kwargs, fix):
+    with pytest.raises(ConfigurationError, match=fix):
+        OutboxBroker(url="amqp://127.0.0.1:1", database_url="postgresql://127.0.0.1:1/x", **kwargs)
+
+
+def test_outbox_broker_needs_exactly_one_database_source():
+    with pytest.raises(ConfigurationError, match="exactly one of database_url= and pool="):
+        OutboxBroker(url="amqp://127.0.0.1:1")
+
+
+def test_constructing_a_broker_does_no_io():
+    # Port 1 refuses connections: construction must still succeed, failing only on first use.
+    broker = OutboxBroker(url="amqp://127.0.0.1:1", database_url="postgresql://127.0.0.1:1/x")
+    broker.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fix"),
+    [
+        ({"batch_size": 0}, "batch_size must be an int >= 1"),
+        ({"on_published": "archive"}, "on_published must be 'mark' or 'delete'"),
+        ({"backoff_min_ms": 500, "backoff_max_ms": 100}, "backoff_max_ms must be an int >= 500"),
+        ({"retention_ms": -1}, "retention_ms must be a non-negative int"),
+    ],
+)
+def test_relay_validates_its_arguments(kwargs, fix):
+    with pytest.raises(ConfigurationError, match=fix):
+        Relay(rabbitmq_url="amqp://127.0.0.1:1", database_url="postgresql://127.0.0.1:1/x", **kwargs)
+
+
+def test_relay_from_broker_needs_an_outbox_broker():
+    from dramatiq.brokers.stub import StubBroker
+
+    with pytest.raises(ConfigurationError, match="needs an OutboxBroker"):
+        Relay.from_broker(StubBroker())  # type: ignore[arg-type]
+
+
+def test_database_refuses_both_or_neither_source():
+    with pytest.raises(ConfigurationError):
+        Database()
+    with pytest.raises(ConfigurationError, match="max_size"):
+        Database(url="postgresql://x", max_size=0)
+
+
+def test_migrations_are_numbered_without_gaps_and_name_their_tables():
+    migrations = schema.migrations()
+    assert [m.version for m in migrations] == list(range(1, len(migrations) + 1))
+    assert len(migrations) == schema.LATEST_VERSION
+    assert "outbox" in migrations[0].text
+
+
+def test_migration_sql_records_every_version():
+    text = schema.migration_sql(schema="s1")
+    for migration in schema.migrations():
+        assert f"VALUES ({migration.version}, '{migration.name}')" in text
+    assert "VALUES (1," not in schema.migration_sql(schema="s1", since=1)
+
+
+@pytest.mark.parametrize(
+    ("text", "ms"),
+    [("500ms", 500), ("30s", 30_000), ("15m", 900_000), ("6h", 21_600_000), ("7d", 604_800_000), ("2", 2000)],
+)
+def test_cli_durations(text, ms):
+    assert _duration_ms(text) == ms
+
+
+def test_cli_rejects_a_garbage_duration_with_an_example():
+    with pytest.raises(argparse.ArgumentTypeError, match="e.g. 30s"):
+        _duration_ms("soon")
