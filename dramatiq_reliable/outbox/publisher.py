@@ -127,17 +127,12 @@ class Publisher:
         """
         outcome = Outcome()
         ready = self._declare_queues(publications, outcome)
-        remaining = list(ready)
-        while remaining:
-            unresolved = self._publish_pipelined(remaining, outcome)
-            if not unresolved:
-                break
-            # A channel error refused some message of the batch without saying which; publish
-            # the unresolved ones one at a time so only the culprit is marked failed.
-            for publication in unresolved:
-                if self._publish_pipelined([publication], outcome):
-                    outcome.failed[publication.key] = self._last_channel_error or "channel closed by RabbitMQ"
-            remaining = []
+        unresolved = self._publish_pipelined(ready, outcome) if ready else []
+        # A channel error refused some message of the batch without saying which: publish the
+        # unresolved ones one at a time so only the culprit is marked failed.
+        for publication in unresolved:
+            if self._publish_pipelined([publication], outcome):
+                outcome.failed[publication.key] = self._last_channel_error or "channel closed by RabbitMQ"
         return outcome
 
     _last_channel_error: str | None = None
