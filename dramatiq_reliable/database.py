@@ -62,14 +62,17 @@ class Database:
         return str(self.pool.conninfo)
 
     @contextlib.contextmanager
-    def connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """Borrow a connection; a transaction begun on it must end inside the block."""
+    def connection(self, *, timeout_s: float | None = None) -> Iterator[psycopg.Connection[Any]]:
+        """Borrow a connection (waiting at most ``timeout_s``, default the pool's timeout).
+
+        A transaction begun on it must end inside the block.
+        """
         if not self._opened:
             with self._lock:
                 if not self._opened:
                     self.pool.open(wait=False)
                     self._opened = True
-        with self.pool.connection(timeout=self._timeout_s) as conn:
+        with self.pool.connection(timeout=timeout_s or self._timeout_s) as conn:
             yield conn
 
     def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:

@@ -8,18 +8,21 @@ Dramatiq's ``RabbitmqBroker``, which this class extends.  The relay
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import psycopg
+from dramatiq.broker import Broker, MessageProxy
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.common import current_millis, dq_name
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 from dramatiq.worker import ConsumerThread, WorkerThread
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from .. import _sql, schema
 from ..database import Database
@@ -66,6 +69,8 @@ class OutboxBroker(RabbitmqBroker):
       schema: the Postgres schema holding the tables.
       on_unbound: ``"autocommit"`` or ``"error"``, see above.
       max_payload_bytes: encoded size above which a send logs a warning; ``None`` disables it.
+      worker_write_timeout_ms: how long a send made inside a worker (a retry, say) keeps
+        trying while Postgres is unreachable before it raises.
       confirm_delivery: publisher confirms for the consumer thread's direct publishes.
       middleware, max_priority, parameters, **kwargs: as for ``RabbitmqBroker``.
 
@@ -86,6 +91,7 @@ class OutboxBroker(RabbitmqBroker):
         schema: str = _sql.DEFAULT_SCHEMA,
         on_unbound: Unbound = "autocommit",
         max_payload_bytes: int | None = 64 * 1024,
+        worker_write_timeout_ms: int = 30_000,
         confirm_delivery: bool = True,
         middleware: list[Middleware] | None = None,
         max_priority: int | None = None,
@@ -100,6 +106,15 @@ class OutboxBroker(RabbitmqBroker):
         self.database = Database(url=database_url, pool=pool)
         self.on_unbound: Unbound = on_unbound
         self.max_payload_bytes = max_payload_bytes
+        if (
+            isinstance(worker_write_timeout_ms, bool)
+            or not isinstance(worker_write_timeout_ms, int)
+            or worker_write_timeout_ms < 0
+        ):
+            raise ConfigurationError(
+                f"worker_write_timeout_ms must be a non-negative int, got {worker_write_timeout_ms!r}"
+            )
+        self.worker_write_timeout_ms = worker_write_timeout_ms
         self._checked_schema = False
         self._check_lock = threading.Lock()
         super().__init__(
@@ -110,6 +125,13 @@ class OutboxBroker(RabbitmqBroker):
             parameters=parameters,
             **kwargs,
         )
+        # First in the list, so its after-hooks run last: the message stays known while the
+        # other middleware (Retries above all) enqueue from their after-hooks.
+        tracker = _TrackProcessing()
+        if self.middleware:
+            self.add_middleware(tracker, before=type(self.middleware[0]))
+        else:
+            self.add_middleware(tracker)
 
     # -- binding -----------------------------------------------------------------------------
 
@@ -187,17 +209,56 @@ class OutboxBroker(RabbitmqBroker):
                 f"send() of actor {message.actor_name!r} outside a transaction; wrap it in "
                 "'with broker.transaction():' or 'with bind(conn):', or build the broker with on_unbound='autocommit'"
             )
-        # Autocommit on a pooled connection; one retry on a connection that died in the pool.
-        # A failure during COMMIT may leave the row written: the retry then adds a second row
-        # with the same message_id, which consumers dedupe (at-least-once, never zero).
-        for attempt in (1, 2):
+        # Autocommit on a pooled connection.  A failure during COMMIT may leave the row
+        # written: the retry then adds a second row with the same message_id, which consumers
+        # dedupe (at least once, never zero).  Inside a worker (a retry, a pipeline step) the
+        # message being processed is acked once this returns, so keep trying for a while
+        # rather than let Dramatiq ack the work away; elsewhere retry once, for a connection
+        # that died in the pool, and let the caller see the error.
+        deadline = time.monotonic() + (self.worker_write_timeout_ms / 1000 if _in_worker_thread() else 0)
+        delay = 0.05
+        attempt = 0
+        while True:
+            attempt += 1
             try:
-                with self.database.connection() as pooled, pooled.transaction():
+                wait_s = max(0.5, deadline - time.monotonic()) if deadline > time.monotonic() else None
+                with self.database.connection(timeout_s=wait_s) as pooled, pooled.transaction():
                     self._execute(pooled, params)
                 return
-            except OutboxWriteError as error:
-                if attempt == 2 or not isinstance(error.__cause__, psycopg.OperationalError):
-                    raise
+            except (OutboxWriteError, PoolTimeout, psycopg.OperationalError) as error:
+                cause = error.__cause__ if isinstance(error, OutboxWriteError) else error
+                transient = isinstance(cause, (psycopg.OperationalError, PoolTimeout))
+                if not transient or (attempt >= 2 and time.monotonic() >= deadline):
+                    self._fail_current_message(params[0])
+                    if isinstance(error, OutboxWriteError):
+                        raise
+                    raise OutboxWriteError(
+                        f"could not write message {params[0]!r} to the outbox in schema {self.schema!r}: "
+                        f"{type(error).__name__}: {error}; the message was not sent, check the database connection"
+                    ) from error
+                if attempt >= 2:
+                    logger.warning(
+                        "outbox write of message %s failed (%s); retrying in %.2fs",
+                        params[0],
+                        type(cause).__name__,
+                        delay,
+                    )
+                    time.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+
+    def _fail_current_message(self, message_id: str) -> None:
+        # Dramatiq swallows exceptions raised by after-hooks (where retries are enqueued) and
+        # then acks the message.  Failing it instead routes it to RabbitMQ's .XQ, where it is
+        # kept; losing a retry quietly is the one outcome we never allow.
+        processing = _processing.get()
+        if processing is not None and _in_worker_thread():
+            processing.fail()
+            logger.critical(
+                "could not write message %s to the outbox from a worker; failed message %s instead so "
+                "RabbitMQ keeps it in its dead-letter queue (.XQ) rather than acking it away",
+                message_id,
+                processing.message_id,
+            )
 
     def _execute(self, conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> None:
         if not self._checked_schema:
@@ -226,6 +287,26 @@ class OutboxBroker(RabbitmqBroker):
                     "check the database connection"
                 ) from error
             self._checked_schema = True
+
+
+_processing: contextvars.ContextVar[MessageProxy | None] = contextvars.ContextVar(
+    "dramatiq_reliable_processing", default=None
+)
+
+
+class _TrackProcessing(Middleware):
+    """Remembers the message a worker thread is processing, so a failed outbox write can fail it."""
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        _processing.set(message)
+
+    def after_process_message(
+        self, broker: Broker, message: MessageProxy, *, result: Any = None, exception: BaseException | None = None
+    ) -> None:
+        _processing.set(None)
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        _processing.set(None)
 
 
 def _in_worker_thread() -> bool:

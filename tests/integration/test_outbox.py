@@ -11,7 +11,7 @@ import dramatiq
 import pika
 import psycopg
 import pytest
-from dramatiq.common import dq_name
+from dramatiq.common import dq_name, xq_name
 from support import Rabbit, TcpProxy, running
 
 from dramatiq_reliable import (
@@ -335,3 +335,29 @@ def test_migration_sql_applied_by_hand_equals_migrate(database_url, unmigrated_s
 
 def test_rabbit_reader_sees_nothing_for_an_unknown_queue(rabbit: Rabbit) -> None:
     assert rabbit.count("q_does_not_exist_anywhere") == 0
+
+
+def test_a_retry_that_cannot_be_written_is_dead_lettered_in_rabbitmq_not_acked_away(
+    database_url, rabbitmq_url, db_schema, queue_name, rabbit
+):
+    real = psycopg.conninfo.conninfo_to_dict(database_url)
+    proxy = TcpProxy(str(real.get("host", "127.0.0.1")), int(real.get("port", 5432))).start()
+    proxied = psycopg.conninfo.make_conninfo(database_url, host="127.0.0.1", port=proxy.port, connect_timeout=2)
+    broker = OutboxBroker(url=rabbitmq_url, database_url=proxied, schema=db_schema, worker_write_timeout_ms=300)
+
+    def fails_while_postgres_is_away() -> None:
+        proxy.stop()  # Postgres becomes unreachable before Dramatiq enqueues the retry
+        raise RuntimeError("transient failure")
+
+    task = _actor(broker, queue_name, fn=fails_while_postgres_is_away, min_backoff=10, max_backoff=20)
+    message = task.send()
+    assert drain_outbox(broker) == 1
+    worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=1)
+    worker.start()
+    try:
+        (dead,) = wait_for(lambda: rabbit.take_all(xq_name(queue_name)), timeout_s=30, message="retry was acked away")
+    finally:
+        worker.stop()
+        broker.close()
+        proxy.stop()
+    assert dead["message_id"] == message.message_id
