@@ -57,6 +57,10 @@ class OutboxBroker(RabbitmqBroker):
       makes when the eta passes, publishes straight to RabbitMQ with publisher confirms: the
       delayed message stays unacked until that publish is confirmed, so nothing is lost.
 
+    Middleware see ``before_enqueue`` and ``after_enqueue`` around the outbox insert, and, if
+    the insert fails, an ``after_enqueue_failed(broker, message, delay, *, exception)`` hook when
+    they define one (Dramatiq has no such signal).
+
     The encoded message is validated before anything is written: a payload that cannot be
     encoded raises :class:`~dramatiq_reliable.errors.PayloadError` in the caller and the
     caller's transaction is untouched.  Payloads over ``max_payload_bytes`` are logged as a
@@ -164,15 +168,33 @@ class OutboxBroker(RabbitmqBroker):
         canonical_queue_name = message.queue_name
         if delay is not None:
             message = message.copy(queue_name=dq_name(canonical_queue_name), options={"eta": current_millis() + delay})
+        # Validate before any middleware sees the message: a bad payload has no side effect.
+        self._encode(message)
         # Registers the queue (no network) so a worker sharing this broker consumes it.
         self.declare_queue(canonical_queue_name)
         self.emit_before("enqueue", message, delay)
-        body = self._encode(message)
-        self._insert(message, body)
+        try:
+            # Encoded again: before_enqueue hooks may have added options (trace context).
+            self._insert(message, self._encode(message, warn=False))
+        except BaseException as error:
+            self._emit_enqueue_failed(message, delay, error)
+            raise
         self.emit_after("enqueue", message, delay)
         return message
 
-    def _encode(self, message: Message[Any]) -> bytes:
+    def _emit_enqueue_failed(self, message: Message[Any], delay: int | None, error: BaseException) -> None:
+        # Dramatiq has no signal for a failed enqueue; middleware that opened something in
+        # before_enqueue (a span) may define after_enqueue_failed to close it.
+        for middleware in reversed(self.middleware):
+            hook = getattr(middleware, "after_enqueue_failed", None)
+            if hook is None:
+                continue
+            try:
+                hook(self, message, delay, exception=error)
+            except Exception:
+                logger.exception("after_enqueue_failed of %r failed", middleware)
+
+    def _encode(self, message: Message[Any], *, warn: bool = True) -> bytes:
         try:
             body = message.encode()
         except Exception as error:
@@ -180,7 +202,7 @@ class OutboxBroker(RabbitmqBroker):
                 f"message {message.message_id!r} for actor {message.actor_name!r} cannot be encoded: {error}; "
                 "send only JSON-serialisable arguments (IDs, strings, numbers), not objects"
             ) from error
-        if self.max_payload_bytes is not None and len(body) > self.max_payload_bytes:
+        if warn and self.max_payload_bytes is not None and len(body) > self.max_payload_bytes:
             logger.warning(
                 "message %s for actor %r is %d bytes, over max_payload_bytes=%d; payloads should carry IDs, "
                 "not objects (load the record in the actor)",

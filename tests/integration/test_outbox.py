@@ -361,3 +361,28 @@ def test_a_retry_that_cannot_be_written_is_dead_lettered_in_rabbitmq_not_acked_a
         broker.close()
         proxy.stop()
     assert dead["message_id"] == message.message_id
+
+
+def test_middleware_hear_about_a_failed_outbox_insert(rabbitmq_url, database_url, unmigrated_schema, queue_name):
+    seen: list[tuple[str, str]] = []
+
+    class Recorder(dramatiq.Middleware):
+        def before_enqueue(self, broker, message, delay):
+            seen.append(("before", message.message_id))
+
+        def after_enqueue(self, broker, message, delay):
+            seen.append(("after", message.message_id))
+
+        def after_enqueue_failed(self, broker, message, delay, *, exception):
+            seen.append((type(exception).__name__, message.message_id))
+
+    bare = OutboxBroker(url=rabbitmq_url, database_url=database_url, schema=unmigrated_schema)
+    bare.add_middleware(Recorder())
+    try:
+        task = _actor(bare, queue_name)
+        with pytest.raises(SchemaNotReady):
+            message = task.message()
+            bare.enqueue(message)
+    finally:
+        bare.close()
+    assert seen == [("before", message.message_id), ("SchemaNotReady", message.message_id)]
