@@ -1,6 +1,7 @@
 """dramatiq-reliable: background jobs on Dramatiq that end done, retrying, or loudly failed."""
 
 from . import events
+from .classify import Decision, classify
 from .database import Database
 from .errors import (
     ConfigurationError,
@@ -13,12 +14,15 @@ from .errors import (
     Unrecoverable,
 )
 from .outbox import OutboxBroker, Relay, WorkerRelay, bind, current_connection
+from .retries import ClassifiedRetries, build_middleware, no_delays
 from .schema import migrate, migration_sql
 
 __all__ = [
+    "ClassifiedRetries",
     "ConfigurationError",
     "Database",
     "DatabaseUnavailable",
+    "Decision",
     "NotBound",
     "OutboxBroker",
     "OutboxWriteError",
@@ -29,10 +33,13 @@ __all__ = [
     "Unrecoverable",
     "WorkerRelay",
     "bind",
+    "build_middleware",
+    "classify",
     "current_connection",
     "events",
     "migrate",
     "migration_sql",
+    "no_delays",
 ]
 
 __version__ = "0.1.0.dev0"
