@@ -3,6 +3,7 @@
 from . import events
 from .classify import Decision, classify
 from .database import Database
+from .dead_letters import DeadLetter, DeadLetterFilter, DeadLetters, DeadLetterStore, ReplayResult
 from .errors import (
     ConfigurationError,
     DatabaseUnavailable,
@@ -22,6 +23,10 @@ __all__ = [
     "ConfigurationError",
     "Database",
     "DatabaseUnavailable",
+    "DeadLetter",
+    "DeadLetterFilter",
+    "DeadLetterStore",
+    "DeadLetters",
     "Decision",
     "NotBound",
     "OutboxBroker",
@@ -29,6 +34,7 @@ __all__ = [
     "PayloadError",
     "Relay",
     "ReliableError",
+    "ReplayResult",
     "SchemaNotReady",
     "Unrecoverable",
     "WorkerRelay",

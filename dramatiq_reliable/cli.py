@@ -41,6 +41,8 @@ class ExitCode(enum.IntEnum):
     SCHEMA = 4  # tables missing or behind: run migrate
     CHECK_FAILED = 5  # a health check crossed a threshold
     ABORTED = 6  # the user declined a confirmation
+    NOT_FOUND = 7  # an id asked for does not exist
+    REFUSED = 8  # some rows were left alone (too old, already handled); the rest were handled
 
 
 def _duration_ms(text: str) -> int:
@@ -98,6 +100,11 @@ def _parser() -> argparse.ArgumentParser:
     stats = outbox_commands.add_parser("stats", parents=[common], help="backlog, failing rows, oldest age")
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(handler=_outbox_stats)
+
+    from . import dead_letters_cli, status
+
+    dead_letters_cli.register(commands, [common])
+    status.register(commands, [common, rabbit])
     return parser
 
 

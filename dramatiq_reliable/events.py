@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-__all__ = ["Event", "Listener", "emit", "subscribe", "unsubscribe"]
+__all__ = ["Event", "Listener", "emit", "has_listeners", "subscribe", "unsubscribe"]
 
 logger = logging.getLogger("dramatiq_reliable.events")
 
@@ -60,6 +60,11 @@ def unsubscribe(listener: Listener) -> None:
     global _listeners
     with _lock:
         _listeners = tuple(item for item in _listeners if item != listener)
+
+
+def has_listeners() -> bool:
+    """Whether anyone listens: lets an emitter skip building a costly event nobody reads."""
+    return bool(_listeners)
 
 
 def emit(event: Event) -> None:

@@ -38,11 +38,13 @@ from .broker import OUTBOX_SCHEMA_VERSION, OutboxBroker
 from .publisher import BrokerUnavailable, Publication, Publisher
 
 __all__ = [
+    "OutboxBatchPublished",
     "OutboxBrokerUnavailable",
     "OutboxPublished",
     "OutboxRowFailed",
     "Relay",
     "RelayPass",
+    "RelayedMessage",
     "WorkerRelay",
 ]
 
@@ -61,6 +63,39 @@ class OutboxPublished(events.Event):
     count: int
     schema: str
     duration_ms: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RelayedMessage:
+    """One message of a relay pass: ``error`` is ``None`` when RabbitMQ confirmed it."""
+
+    message_id: str
+    queue_name: str
+    body: bytes
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxBatchPublished(events.Event):
+    """Every message of one committed relay pass, with the publish's wall-clock bounds.
+
+    Tracing turns each into a publish span linked to the message's creation context.  Bodies
+    are carried for that purpose and never logged.
+    """
+
+    name: ClassVar[str] = "outbox.batch_published"
+    level: ClassVar[int] = logging.DEBUG
+    schema: str
+    start_time_ns: int
+    end_time_ns: int
+    messages: tuple[RelayedMessage, ...]
+
+    def as_attributes(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema,
+            "count": len(self.messages),
+            "failed": sum(m.error is not None for m in self.messages),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +249,9 @@ class Relay:
                 for row in rows
             ]
             # Raises BrokerUnavailable: the transaction rolls back and no row is touched.
+            publish_started_ns = time.time_ns()
             outcome = self.publisher.publish(publications)
+            publish_ended_ns = time.time_ns()
             if outcome.confirmed:
                 done = "outbox_delete_published" if self.on_published == "delete" else "outbox_mark_published"
                 conn.execute(_sql.query(done, self.schema), (outcome.confirmed,))
@@ -222,6 +259,11 @@ class Relay:
                 self._record_failures(conn, rows, outcome.failed)
         if outcome.confirmed:
             events.emit(OutboxPublished(len(outcome.confirmed), self.schema, (time.perf_counter() - started) * 1000))
+        if events.has_listeners():
+            relayed = tuple(
+                RelayedMessage(p.message_id, p.routing_key, p.body, outcome.failed.get(p.key)) for p in publications
+            )
+            events.emit(OutboxBatchPublished(self.schema, publish_started_ns, publish_ended_ns, relayed))
         return RelayPass(len(outcome.confirmed), len(outcome.failed))
 
     def _record_failures(self, conn: psycopg.Connection[Any], rows: list[Any], failed: dict[int, str]) -> None:

@@ -1,0 +1,608 @@
+"""The ``dramatiq-reliable dead-letters`` command: see, group, replay, discard and purge dead letters.
+
+::
+
+    dramatiq-reliable dead-letters list    [FILTERS] [--state STATE] [--limit N] [--cursor C] [--json]
+    dramatiq-reliable dead-letters show    ID [--json]
+    dramatiq-reliable dead-letters stats   [FILTERS] [--limit N] [--json]
+    dramatiq-reliable dead-letters replay  [ID ...] [FILTERS | --all] [--to-queue Q] [--delay 30s]
+                                           [--max-age 7d | --force] [--yes] [--json]
+    dramatiq-reliable dead-letters discard [ID ...] [FILTERS | --all] [--reason TEXT] [--yes] [--json]
+    dramatiq-reliable dead-letters purge   [--older-than 30d] [--handled-older-than 0s] [--json]
+
+    FILTERS: --actor NAME --queue NAME --error-type TYPE --fingerprint FP --since WHEN --until WHEN
+
+Readable tables by default, ``--json`` for scripts.  A bulk replay or discard (by filter, not by
+id) asks for confirmation; ``--yes`` skips it, and without a terminal and without ``--yes`` it is
+refused.  Exit codes are :class:`~dramatiq_reliable.cli.ExitCode` values plus ``NOT_FOUND`` and
+``REFUSED`` (see :data:`NOT_FOUND`, :data:`REFUSED`).
+
+``cli.py`` adds this command with :func:`register`; ``python -m dramatiq_reliable.dead_letters_cli``
+runs it on its own with the same ``--database-url``, ``--schema`` and ``-v`` options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TextIO
+
+import psycopg
+
+from . import _sql
+from .cli import DEFAULT_DATABASE_URL, ExitCode
+from .database import Database
+from .dead_letters import (
+    DEFAULT_REPLAY_MAX_AGE_MS,
+    DEFAULT_RETENTION_MS,
+    DeadLetter,
+    DeadLetterFilter,
+    DeadLetterStore,
+)
+from .errors import ReliableError, SchemaNotReady
+
+__all__ = ["NOT_FOUND", "REFUSED", "main", "register"]
+
+logger = logging.getLogger("dramatiq_reliable.cli")
+
+
+def _exit_code(name: str, fallback: int) -> int:
+    member = ExitCode.__members__.get(name)
+    return int(member) if member is not None else fallback
+
+
+#: A dead letter asked for by id does not exist.
+NOT_FOUND = _exit_code("NOT_FOUND", 7)
+#: Some dead letters were left alone: first sent too long ago (without ``--force``), or
+#: already replayed or discarded.  The others were handled.
+REFUSED = _exit_code("REFUSED", 8)
+
+_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 7 * 86_400_000}
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?$")
+_STATE_CHOICES = ("dead", "replayed", "discarded", "all")
+
+
+# --------------------------------------------------------------------------------------------
+# Argument types
+# --------------------------------------------------------------------------------------------
+
+
+def duration_ms(text: str) -> int:
+    """``500ms``, ``30s``, ``15m``, ``6h``, ``7d``, ``2w`` (a bare number is seconds) as ms."""
+    match = _DURATION.match(text.strip().lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration; write e.g. 30s, 15m, 7d")
+    return int(float(match[1]) * _UNITS_MS[match[2] or "s"])
+
+
+def point_in_time(text: str, *, now: datetime.datetime | None = None) -> datetime.datetime:
+    """An ISO 8601 date or time (UTC unless it says otherwise), or a duration meaning that long ago."""
+    text = text.strip()
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    if _DURATION.match(text.lower()):
+        return now - datetime.timedelta(milliseconds=duration_ms(text))
+    try:
+        value = datetime.datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a time; write an ISO date or time (2024-05-01, 2024-05-01T12:00:00+02:00) "
+            "or a duration meaning that long ago (2h, 3d)"
+        ) from None
+    return value if value.tzinfo is not None else value.replace(tzinfo=datetime.timezone.utc)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# The parser
+# --------------------------------------------------------------------------------------------
+
+
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    common_parents: Sequence[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add ``dead-letters`` and its actions to ``subparsers``.
+
+    ``common_parents`` are the parent parsers every command of ``dramatiq-reliable`` takes
+    (``--database-url``, ``--schema``).  Each action sets ``handler`` to a function of the
+    parsed arguments returning an exit code, as the other commands do.
+    """
+    parents = list(common_parents)
+    parser = subparsers.add_parser(
+        "dead-letters",
+        help="see, group, replay and discard failed messages",
+        description="Messages that failed for good, kept in Postgres: see, group, fix, replay, discard.",
+    )
+    actions = parser.add_subparsers(dest="dead_letters_command", required=True, metavar="ACTION")
+
+    filters = argparse.ArgumentParser(add_help=False)
+    group = filters.add_argument_group("filters")
+    group.add_argument("--actor", dest="actor_name", help="actor name")
+    group.add_argument("--queue", dest="queue_name", help="queue name (without .DQ/.XQ)")
+    group.add_argument("--error-type", help="exception type as shown by list, e.g. ValueError or app.errors.Declined")
+    group.add_argument("--fingerprint", help="group fingerprint, as shown by stats")
+    group.add_argument("--since", type=point_in_time, help="last failure at or after: ISO time, or 2h for 2h ago")
+    group.add_argument("--until", type=point_in_time, help="last failure before: ISO time, or 2h for 2h ago")
+    output = argparse.ArgumentParser(add_help=False)
+    output.add_argument("--json", action="store_true", help="print JSON for scripts")
+    bulk = argparse.ArgumentParser(add_help=False)
+    bulk.add_argument("ids", nargs="*", type=_positive_int, metavar="ID", help="dead letter ids")
+    bulk.add_argument("--all", action="store_true", help="every dead letter (with no ids and no filter)")
+    bulk.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+
+    list_ = actions.add_parser("list", parents=[*parents, filters, output], help="list dead letters, newest first")
+    list_.add_argument("--state", choices=_STATE_CHOICES, default="dead", help="default: dead")
+    list_.add_argument("--limit", type=_positive_int, default=50, help="rows per page (default 50)")
+    list_.add_argument("--cursor", help="the next page: the cursor a previous page printed")
+    list_.set_defaults(handler=_list)
+
+    show = actions.add_parser("show", parents=[*parents, output], help="one dead letter with its traceback")
+    show.add_argument("id", type=_positive_int, metavar="ID")
+    show.set_defaults(handler=_show)
+
+    stats = actions.add_parser(
+        "stats", parents=[*parents, filters, output], help="dead letters grouped by error and code location"
+    )
+    stats.add_argument("--limit", type=_positive_int, default=20, help="groups shown (default 20)")
+    stats.set_defaults(handler=_stats)
+
+    replay = actions.add_parser(
+        "replay", parents=[*parents, filters, output, bulk], help="send dead letters again, through the outbox"
+    )
+    replay.add_argument("--to-queue", help="send to this queue instead of the original one")
+    replay.add_argument("--delay", type=duration_ms, help="deliver after this long, e.g. 10m")
+    replay.add_argument(
+        "--max-age",
+        type=duration_ms,
+        default=DEFAULT_REPLAY_MAX_AGE_MS,
+        help="refuse jobs first sent longer ago than this (default 7d)",
+    )
+    replay.add_argument("--force", action="store_true", help="replay however old the job is")
+    replay.set_defaults(handler=_replay)
+
+    discard = actions.add_parser(
+        "discard", parents=[*parents, filters, output, bulk], help="mark dead letters discarded, on purpose"
+    )
+    discard.add_argument("--reason", help="why, for the audit trail")
+    discard.set_defaults(handler=_discard)
+
+    purge = actions.add_parser("purge", parents=[*parents, output], help="delete handled and expired dead letters")
+    purge.add_argument(
+        "--older-than",
+        type=duration_ms,
+        default=DEFAULT_RETENTION_MS,
+        help="delete dead letters whose last failure is older (default 30d)",
+    )
+    purge.add_argument("--keep-dead", action="store_true", help="delete no dead letter still in state dead")
+    purge.add_argument(
+        "--handled-older-than",
+        type=duration_ms,
+        default=0,
+        help="delete replayed/discarded rows handled longer ago (default 0s: all)",
+    )
+    purge.set_defaults(handler=_purge)
+    return parser
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dramatiq-reliable", description="Dead letters of dramatiq-reliable (stand-alone entry point)."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and debug logs")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--database-url",
+        default=os.environ.get("DATABASE_URL", DEFAULT_DATABASE_URL),
+        help="Postgres URL (default: $DATABASE_URL or the local server)",
+    )
+    common.add_argument("--schema", default=_sql.DEFAULT_SCHEMA, help="schema of the tables (default: %(default)s)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    register(commands, [common])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``dead-letters ...`` as ``dramatiq-reliable`` would; return the exit code."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except ReliableError as error:
+        _fail(args, error)
+        return ExitCode.SCHEMA if isinstance(error, SchemaNotReady) else ExitCode.ERROR
+    except (psycopg.OperationalError, psycopg.InterfaceError) as error:
+        _fail(args, error, prefix="cannot reach Postgres: ")
+        return ExitCode.UNAVAILABLE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return ExitCode.ABORTED
+
+
+def _fail(args: argparse.Namespace, error: BaseException, prefix: str = "") -> None:
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    print(f"dramatiq-reliable: error: {prefix}{first}", file=sys.stderr)
+    if getattr(args, "verbose", False):
+        import traceback
+
+        traceback.print_exception(error)
+
+
+def _error(text: str) -> None:
+    print(f"dramatiq-reliable: error: {text}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# Handlers
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _store(args: argparse.Namespace, **options: Any) -> Iterator[DeadLetterStore]:
+    # One direct connection first: a wrong host or password fails at once with the server's own
+    # reason, where a pool would wait out its timeout and report only that.
+    psycopg.connect(args.database_url, connect_timeout=10).close()
+    database = Database(url=args.database_url, max_size=2, timeout_s=30)
+    try:
+        yield DeadLetterStore(database=database, schema=args.schema, **options)
+    finally:
+        database.close()
+
+
+def _filter(args: argparse.Namespace) -> DeadLetterFilter:
+    return DeadLetterFilter(
+        actor_name=args.actor_name,
+        queue_name=args.queue_name,
+        error_type=args.error_type,
+        fingerprint=args.fingerprint,
+        since=args.since,
+        until=args.until,
+    )
+
+
+def _list(args: argparse.Namespace) -> int:
+    where = _filter(args)
+    state = None if args.state == "all" else args.state
+    with _store(args) as store:
+        page = store.list(where=where, state=state, limit=args.limit, cursor=args.cursor)
+    if args.json:
+        _print_json({"dead_letters": [item.as_dict() for item in page.items], "next_cursor": page.next_cursor})
+        return ExitCode.OK
+    if not page.items:
+        kind = "" if state in (None, "dead") else f"{state} "
+        print(f"no {kind}dead letters ({where.describe()})")
+        return ExitCode.OK
+    now = datetime.datetime.now(datetime.timezone.utc)
+    rows = [
+        [
+            str(item.id),
+            _ago(item.last_failed_at, now),
+            item.actor_name,
+            item.queue_name,
+            str(item.attempts),
+            item.reason,
+            *([item.state] if state is None else []),
+            _error_line(item),
+        ]
+        for item in page.items
+    ]
+    headers = ["ID", "AGE", "ACTOR", "QUEUE", "ATTEMPTS", "REASON", *(["STATE"] if state is None else []), "ERROR"]
+    _print_table(headers, rows)
+    if page.next_cursor:
+        print(f"more: add --cursor {page.next_cursor}", file=sys.stderr)
+    return ExitCode.OK
+
+
+def _show(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        item = store.get(args.id)
+    if item is None:
+        _error(f"dead letter {args.id} not found; 'dead-letters list --state all' shows the ids")
+        return NOT_FOUND
+    if args.json:
+        _print_json(item.as_dict())
+        return ExitCode.OK
+    out = sys.stdout
+    out.write(f"dead letter {item.id} ({item.state})\n")
+    handled = ""
+    if item.handled_at is not None:
+        handled = f"{item.state} at {_when(item.handled_at)} by {item.handled_by or '?'}"
+        if item.replayed_to:
+            handled += f" to queue {item.replayed_to!r}"
+        if item.note:
+            handled += f": {item.note}"
+    fields = [
+        ("message id", item.message_id),
+        ("actor", item.actor_name),
+        ("queue", item.queue_name),
+        ("error", f"{item.error_type or '-'}: {item.error_message}"),
+        ("reason", item.reason),
+        ("attempts", str(item.attempts)),
+        ("http status", str(item.http_status) if item.http_status is not None else "-"),
+        ("culprit", item.culprit or "-"),
+        ("fingerprint", item.fingerprint),
+        ("first sent", _when(item.sent_at)),
+        ("first failed", _when(item.first_failed_at)),
+        ("last failed", _when(item.last_failed_at)),
+        ("worker", f"{item.worker_host} pid {item.worker_pid}"),
+        ("captures", str(item.captures)),
+        ("handled", handled or "-"),
+    ]
+    for name, value in fields:
+        out.write(f"  {name:<13}{value}\n")
+    message = item.message or {}
+    for key in ("args", "kwargs", "options"):
+        out.write(f"{key}: {json.dumps(message.get(key), sort_keys=True, default=str)}\n")
+    out.write("traceback:\n")
+    out.write("".join(f"  {line}\n" for line in (item.traceback or "-").rstrip("\n").splitlines()))
+    return ExitCode.OK
+
+
+def _stats(args: argparse.Namespace) -> int:
+    where = _filter(args)
+    with _store(args) as store:
+        groups = store.stats(where=where, limit=args.limit)
+        total = store.count(where=where)
+    if args.json:
+        _print_json({"total": total, "groups": [group.as_dict() for group in groups]})
+        return ExitCode.OK
+    if not groups:
+        print(f"no dead letters ({where.describe()})")
+        return ExitCode.OK
+    now = datetime.datetime.now(datetime.timezone.utc)
+    rows = [
+        [
+            f"{group.count:,}",
+            group.fingerprint,
+            group.error_type or "-",
+            group.culprit or "-",
+            group.actor_name + (f" (+{group.actors - 1})" if group.actors > 1 else ""),
+            _ago(group.last_failed_at, now),
+            _one_line(group.error_message),
+        ]
+        for group in groups
+    ]
+    _print_table(["COUNT", "FINGERPRINT", "ERROR", "CULPRIT", "ACTOR", "LAST", "MESSAGE"], rows)
+    shown = sum(group.count for group in groups)
+    more = f"; {total - shown:,} more in smaller groups (raise --limit)" if total > shown else ""
+    print(f"{total:,} dead letters in {len(groups)} group(s) shown{more}", file=sys.stderr)
+    return ExitCode.OK
+
+
+def _replay(args: argparse.Namespace) -> int:
+    target = _target(args, "replay")
+    if target is None:
+        return ExitCode.USAGE
+    ids, where = target
+    with _store(args, replay_max_age_ms=args.max_age) as store:
+        if not ids:
+            total, too_old = store.replay_preview(where=where, force=args.force)
+            if total == 0:
+                return _nothing(args, "replay", where, {"replayed": 0, "too_old": 0, "problems": {}})
+            question = f"replay {total:,} dead letter(s) ({where.describe()}) through the outbox"
+            if too_old:
+                question += (
+                    f"; {too_old:,} first sent more than {_duration_text(args.max_age)} ago stay dead "
+                    "(--force replays them)"
+                )
+            if not _confirm(args, question, f"replay {total:,} dead letter(s)"):
+                return ExitCode.ABORTED
+        progress = _Progress("replayed") if not ids else None
+        result = store.replay(
+            ids=ids or None,
+            where=where,
+            queue_name=args.to_queue,
+            delay_ms=args.delay,
+            force=args.force,
+            progress=progress,
+        )
+        if progress is not None:
+            progress.finish()
+    if args.json:
+        _print_json(result.as_dict())
+    else:
+        where_to = f"queue {args.to_queue!r}" if args.to_queue else "their queues"
+        print(f"replayed {result.replayed:,} dead letter(s) to {where_to} through the outbox; the relay publishes them")
+        if result.too_old and not ids:
+            print(
+                f"{result.too_old:,} first sent more than {_duration_text(args.max_age)} ago stayed dead: "
+                "replay them with --force, or discard them"
+            )
+        for dead_letter_id, problem in sorted(result.problems.items()):
+            print(f"  {dead_letter_id}: {problem}")
+    return _outcome(result.problems, result.too_old)
+
+
+def _discard(args: argparse.Namespace) -> int:
+    target = _target(args, "discard")
+    if target is None:
+        return ExitCode.USAGE
+    ids, where = target
+    with _store(args) as store:
+        if not ids:
+            total = store.count(where=where)
+            if total == 0:
+                return _nothing(args, "discard", where, {"discarded": 0, "problems": {}})
+            question = f"discard {total:,} dead letter(s) ({where.describe()})"
+            if not _confirm(args, question, f"discard {total:,} dead letter(s)"):
+                return ExitCode.ABORTED
+        progress = _Progress("discarded") if not ids else None
+        result = store.discard(ids=ids or None, where=where, note=args.reason, progress=progress)
+        if progress is not None:
+            progress.finish()
+    if args.json:
+        _print_json(result.as_dict())
+    else:
+        print(f"discarded {result.discarded:,} dead letter(s)")
+        for dead_letter_id, problem in sorted(result.problems.items()):
+            print(f"  {dead_letter_id}: {problem}")
+    return _outcome(result.problems, 0)
+
+
+def _purge(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        result = store.purge(
+            older_than_ms=None if args.keep_dead else args.older_than,
+            handled_older_than_ms=args.handled_older_than,
+        )
+    if args.json:
+        _print_json({"deleted": result.deleted, "dead": result.dead, "handled": result.handled})
+    else:
+        print(
+            f"deleted {result.deleted:,} dead letter row(s): {result.handled:,} replayed or discarded, "
+            f"{result.dead:,} dead past retention"
+        )
+    return ExitCode.OK
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _target(args: argparse.Namespace, verb: str) -> tuple[list[int], DeadLetterFilter] | None:
+    where = _filter(args)
+    if not args.ids and where.is_empty and not args.all:
+        _error(
+            f"say which dead letters to {verb}: ids, a filter (--actor, --queue, --error-type, --fingerprint, "
+            "--since, --until) or --all"
+        )
+        return None
+    return list(args.ids), where
+
+
+def _confirm(args: argparse.Namespace, question: str, what: str) -> bool:
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        _error(f"refusing to {what} without confirmation: stdin is not a terminal; pass --yes")
+        return False
+    print(f"{question}? [y/N] ", end="", file=sys.stderr, flush=True)
+    answer = sys.stdin.readline().strip().lower()
+    if answer in ("y", "yes"):
+        return True
+    print("aborted; nothing changed", file=sys.stderr)
+    return False
+
+
+def _nothing(args: argparse.Namespace, verb: str, where: DeadLetterFilter, empty: dict[str, Any]) -> int:
+    if args.json:
+        _print_json(empty)
+    else:
+        print(f"no dead letters to {verb} ({where.describe()})")
+    return ExitCode.OK
+
+
+def _outcome(problems: dict[int, str] | Any, refused: int) -> int:
+    if any(problem == "not found" for problem in problems.values()):
+        return NOT_FOUND
+    if problems or refused:
+        return REFUSED
+    return ExitCode.OK
+
+
+class _Progress:
+    """Progress of a bulk command on stderr: one line rewritten on a terminal, a line per batch otherwise."""
+
+    def __init__(self, verb: str, stream: TextIO | None = None) -> None:
+        self.verb = verb
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if done >= total and not self.shown:
+            return  # one batch did it all: the summary line is enough
+        percent = f" ({100 * done // total}%)" if total else ""
+        text = f"{self.verb} {done:,}/{total:,}{percent}"
+        if self.tty:
+            self.stream.write(f"\r{text}")
+        else:
+            self.stream.write(f"{text}\n")
+        self.stream.flush()
+        self.shown = True
+
+    def finish(self) -> None:
+        if self.shown and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, default=str, ensure_ascii=False) + "\n")
+
+
+def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Aligned columns; the last column is cut to the terminal's width."""
+    widths = [len(header) for header in headers]
+    for row in rows:
+        for index, cell in enumerate(row[:-1]):
+            widths[index] = min(max(widths[index], len(cell)), 48)
+    width = shutil.get_terminal_size((160, 24)).columns
+    used = sum(widths[:-1]) + 2 * (len(headers) - 1)
+    last = max(width - used, 20)
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [_cut(cell, widths[index]).ljust(widths[index]) for index, cell in enumerate(cells[:-1])]
+        return "  ".join([*parts, _cut(cells[-1], last)]).rstrip()
+
+    sys.stdout.write(line(headers) + "\n")
+    for row in rows:
+        sys.stdout.write(line(row) + "\n")
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _error_line(item: DeadLetter) -> str:
+    message = _one_line(item.error_message)
+    return f"{item.error_type}: {message}" if item.error_type else message
+
+
+def _ago(then: datetime.datetime, now: datetime.datetime) -> str:
+    seconds = max(int((now - then).total_seconds()), 0)
+    for unit, size in (("d", 86_400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _duration_text(ms: int) -> str:
+    for unit, size in (("w", 7 * 86_400_000), ("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if ms and ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
+
+
+def _when(value: datetime.datetime) -> str:
+    return value.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,16 @@
+-- What a bulk replay or discard would touch: how many rows, how many are too old to replay
+-- without force, and the highest id (the batches stop there, so rows that die meanwhile are
+-- not swept up by a command that was confirmed for a smaller number).
+SELECT count(*),
+       count(*) FILTER (WHERE %(max_age_s)s::double precision IS NOT NULL
+                          AND sent_at < now() - make_interval(secs => %(max_age_s)s::double precision)),
+       coalesce(max(id), 0)
+FROM {schema}.dead_letters
+WHERE (%(state)s::text IS NULL OR state = %(state)s::text)
+  AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+  AND (%(actor_name)s::text IS NULL OR actor_name = %(actor_name)s::text)
+  AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s::text)
+  AND (%(error_type)s::text IS NULL OR error_type = %(error_type)s::text)
+  AND (%(fingerprint)s::text IS NULL OR fingerprint = %(fingerprint)s::text)
+  AND (%(since)s::timestamptz IS NULL OR last_failed_at >= %(since)s::timestamptz)
+  AND (%(until)s::timestamptz IS NULL OR last_failed_at < %(until)s::timestamptz)
