@@ -1,0 +1,785 @@
+"""Health numbers: queue depth, outbox backlog and age, dead letters, per queue, for people and probes.
+
+One function, :func:`collect_health`, reads them from Postgres and RabbitMQ.  The
+``dramatiq-reliable status`` command prints them as a table or JSON and, with ``--check`` and
+thresholds, exits non-zero naming what crossed a line (for cron, Kubernetes probes and
+alerting); the :class:`~dramatiq_reliable.tracing.Tracing` middleware turns the same reading
+into observable gauges through a :class:`HealthMonitor`, which caches it for a few seconds so
+a metrics scrape never hammers the database.
+
+What each number means, and why it matters:
+
+* ``depth``: ready messages in the queue.  Growing steadily means workers cannot keep up.
+* ``delayed``: ready messages in ``<queue>.DQ``.  Delayed messages a worker has already
+  fetched sit unacked in its memory, which RabbitMQ's passive declare does not count.
+* ``dead``: messages in ``<queue>.XQ``, RabbitMQ's copy of every failed message.
+* ``outbox_backlog`` / ``outbox_oldest_age_s``: committed messages not yet published.  An old
+  row is the signal of a relay that quietly died.
+* ``dead_letters`` / ``dead_letters_newest_age_s``: rows in the dead-letter table not yet
+  replayed, and how recent the last failure is.
+* ``retries_waiting``: retries scheduled but not yet due, read from the outbox (so only where
+  the relay keeps published rows, ``on_published="mark"``); the command only, as it scans.
+
+>>> health = collect_health(database="postgresql://app@localhost/app", queues=["orders"])  # doctest: +SKIP
+>>> health.queue("orders").outbox_backlog                                                  # doctest: +SKIP
+0
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from dramatiq.common import dq_name, q_name, xq_name
+from psycopg import sql
+from psycopg_pool import PoolTimeout
+
+from . import _sql, schema
+from .database import Database
+from .errors import ConfigurationError, SchemaNotReady
+
+if TYPE_CHECKING:
+    from .cli import ExitCode
+
+__all__ = [
+    "Health",
+    "HealthMonitor",
+    "QueueDepths",
+    "QueueHealth",
+    "Thresholds",
+    "check_health",
+    "collect_health",
+    "main",
+    "register",
+]
+
+logger = logging.getLogger("dramatiq_reliable.status")
+
+#: The schema version the status queries need (the outbox).
+STATUS_SCHEMA_VERSION = 1
+# Queues named in the dead-letter table; kept out of the SQL because that table is another
+# part's and may not exist yet (it is checked for first).
+_DEAD_LETTERS_TABLE = "dead_letters"
+
+
+# --------------------------------------------------------------------------------------------
+# The reading
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueHealth:
+    """The health numbers of one queue; ``None`` where the number could not be known."""
+
+    queue: str
+    depth: int | None = None
+    delayed: int | None = None
+    dead: int | None = None
+    consumers: int | None = None
+    outbox_backlog: int | None = None
+    outbox_failing: int | None = None
+    outbox_oldest_age_s: float | None = None
+    dead_letters: int | None = None
+    dead_letters_newest_age_s: float | None = None
+    retries_waiting: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Health:
+    """One reading of every queue's numbers, and what could not be reached.
+
+    ``postgres_error`` / ``rabbitmq_error`` hold a one-line reason (never a URL) when that
+    service could not be read; the numbers it would have given are then ``None``.
+    """
+
+    queues: tuple[QueueHealth, ...]
+    collected_at: float
+    postgres_error: str | None = None
+    rabbitmq_error: str | None = None
+    dead_letters_table: bool | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Both services answered (the thresholds are :func:`check_health`'s business)."""
+        return self.postgres_error is None and self.rabbitmq_error is None
+
+    def queue(self, name: str) -> QueueHealth:
+        """The numbers of ``name`` (``.DQ``/``.XQ`` suffixes are folded into their queue)."""
+        canonical = q_name(name)
+        for item in self.queues:
+            if item.queue == canonical:
+                return item
+        return QueueHealth(queue=canonical)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-able form: services, queues and totals."""
+        return {
+            "collected_at": datetime.datetime.fromtimestamp(self.collected_at, tz=datetime.timezone.utc).isoformat(),
+            "postgres": {"ok": self.postgres_error is None, "error": self.postgres_error},
+            "rabbitmq": {"ok": self.rabbitmq_error is None, "error": self.rabbitmq_error},
+            "dead_letters_table": self.dead_letters_table,
+            "queues": [dataclasses.asdict(item) for item in self.queues],
+            "totals": self.totals(),
+        }
+
+    def totals(self) -> dict[str, Any]:
+        """Sums over the queues (the oldest and newest ages are the extremes)."""
+
+        def total(field: str) -> int | None:
+            values = [getattr(item, field) for item in self.queues if getattr(item, field) is not None]
+            return sum(values) if values else None
+
+        ages = [item.outbox_oldest_age_s for item in self.queues if item.outbox_oldest_age_s is not None]
+        newest = [item.dead_letters_newest_age_s for item in self.queues if item.dead_letters_newest_age_s is not None]
+        return {
+            "depth": total("depth"),
+            "delayed": total("delayed"),
+            "dead": total("dead"),
+            "outbox_backlog": total("outbox_backlog"),
+            "outbox_failing": total("outbox_failing"),
+            "outbox_oldest_age_s": max(ages) if ages else None,
+            "dead_letters": total("dead_letters"),
+            "dead_letters_newest_age_s": min(newest) if newest else None,
+            "retries_waiting": total("retries_waiting"),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# RabbitMQ
+# --------------------------------------------------------------------------------------------
+
+
+class QueueDepths:
+    """Reads queue depths with passive ``queue.declare`` on a connection of its own.
+
+    A passive declare is the cheapest question RabbitMQ answers over AMQP: it changes nothing
+    and returns the ready-message and consumer counts.  The connection is dedicated so a
+    reading never shares a channel (or a lock) with the broker's publishers and consumers;
+    it is opened on first use, reopened once after a drop, and is safe to use from several
+    threads (one reading at a time).
+
+    Parameters:
+      parameters: pika connection parameters (or a list of them), e.g. ``broker.parameters``.
+      url: an AMQP URL instead of ``parameters``.
+      timeout_s: socket and connection timeout for a URL given here.
+    """
+
+    def __init__(self, *, parameters: Any = None, url: str | None = None, timeout_s: float = 5.0) -> None:
+        import pika
+
+        if (parameters is None) == (url is None):
+            raise ConfigurationError("pass exactly one of parameters= and url= to QueueDepths")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise ConfigurationError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if url is not None:
+            parameters = pika.URLParameters(url)
+            parameters.socket_timeout = timeout_s
+            parameters.stack_timeout = timeout_s
+            parameters.blocked_connection_timeout = timeout_s
+            parameters.connection_attempts = 1
+        self._parameters = parameters
+        self._connection: Any = None
+        self._channel: Any = None
+        self._lock = threading.Lock()
+
+    def read(self, queues: Iterable[str]) -> dict[str, tuple[int, int] | None]:
+        """``{queue: (ready messages, consumers)}``; ``None`` for a queue that does not exist.
+
+        Raises ``pika.exceptions.AMQPConnectionError`` (or ``OSError``) when RabbitMQ cannot be
+        reached, after one reconnect.
+        """
+        import pika.exceptions
+
+        names = list(dict.fromkeys(queues))
+        with self._lock:
+            try:
+                return self._read(names)
+            except (pika.exceptions.AMQPConnectionError, pika.exceptions.ChannelWrongStateError, OSError):
+                # An idle dedicated connection may have been dropped (heartbeats are only
+                # answered while we call into pika): reconnect once before giving up.
+                self._close()
+                return self._read(names)
+
+    def _read(self, names: list[str]) -> dict[str, tuple[int, int] | None]:
+        import pika
+        import pika.exceptions
+
+        result: dict[str, tuple[int, int] | None] = {}
+        # Connect even with no queues to read: reachability is part of the answer.
+        if self._connection is None or not self._connection.is_open:
+            self._connection = pika.BlockingConnection(self._parameters)
+            self._channel = None
+        for name in names:
+            if self._channel is None or not self._channel.is_open:
+                self._channel = self._connection.channel()
+            try:
+                frame = self._channel.queue_declare(queue=name, passive=True)
+            except pika.exceptions.ChannelClosedByBroker as error:
+                # 404: the queue does not exist (yet); RabbitMQ closed the channel.
+                self._channel = None
+                if error.reply_code != 404:
+                    raise
+                result[name] = None
+                continue
+            result[name] = (int(frame.method.message_count), int(frame.method.consumer_count))
+        return result
+
+    def close(self) -> None:
+        """Close the connection; the next :meth:`read` reopens it."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                if connection.is_open:
+                    connection.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Collecting
+# --------------------------------------------------------------------------------------------
+
+
+DatabaseSource = Database | psycopg.Connection[Any] | str
+
+
+def collect_health(
+    *,
+    database: DatabaseSource | None = None,
+    schema: str = _sql.DEFAULT_SCHEMA,
+    rabbitmq: QueueDepths | None = None,
+    queues: Iterable[str] = (),
+    discover_queues: bool = True,
+    retries_waiting: bool = False,
+    statement_timeout_ms: int = 5000,
+    connect_timeout_s: int = 5,
+) -> Health:
+    """Read every queue's health numbers; an unreachable service is reported, not raised.
+
+    Parameters:
+      database: a :class:`~dramatiq_reliable.database.Database`, an open connection (no
+        transaction in progress) or a URL; ``None`` skips Postgres.
+      schema: the schema of the tables.
+      rabbitmq: a :class:`QueueDepths`; ``None`` skips RabbitMQ.
+      queues: queues to report on whatever the tables hold.
+      discover_queues: also report every queue found in the outbox (a full scan of the
+        outbox: the command's choice, not a scrape's) and in the dead-letter table.  Queues
+        with unpublished rows are always reported.
+      retries_waiting: count the retries not yet due (scans the outbox's delayed rows).
+      statement_timeout_ms: a bound on each query, so a probe never hangs on a locked table.
+      connect_timeout_s: used when ``database`` is a URL.
+
+    Raises :class:`~dramatiq_reliable.errors.SchemaNotReady` when the outbox tables are missing.
+    """
+    if isinstance(statement_timeout_ms, bool) or not isinstance(statement_timeout_ms, int) or statement_timeout_ms < 1:
+        raise ConfigurationError(f"statement_timeout_ms must be a positive int, got {statement_timeout_ms!r}")
+    _sql.validate_schema(schema)
+    rows: dict[str, dict[str, Any]] = {}
+
+    def entry(queue: str) -> dict[str, Any]:
+        return rows.setdefault(q_name(queue), {})
+
+    for name in queues:
+        entry(name)
+
+    postgres_error: str | None = None
+    dead_letters_table: bool | None = None
+    if database is not None:
+        try:
+            with _connection(database, connect_timeout_s) as conn:
+                dead_letters_table = _read_postgres(
+                    conn,
+                    schema=schema,
+                    entry=entry,
+                    discover_queues=discover_queues,
+                    retries_waiting=retries_waiting,
+                    statement_timeout_ms=statement_timeout_ms,
+                )
+        except SchemaNotReady:
+            raise
+        except (psycopg.Error, PoolTimeout) as error:
+            postgres_error = _describe(error)
+        else:
+            # What Postgres answered for is a number, zero included; "-" is for the unknown.
+            for values in rows.values():
+                values.setdefault("outbox_backlog", 0)
+                values.setdefault("outbox_failing", 0)
+                if dead_letters_table:
+                    values.setdefault("dead_letters", 0)
+                if retries_waiting:
+                    values.setdefault("retries_waiting", 0)
+
+    rabbitmq_error: str | None = None
+    if rabbitmq is not None:
+        import pika.exceptions
+
+        names = sorted(rows)
+        try:
+            depths = rabbitmq.read(n for name in names for n in (name, dq_name(name), xq_name(name)))
+        except (pika.exceptions.AMQPError, OSError) as error:
+            rabbitmq_error = _describe(error)
+        else:
+            for name in names:
+                ready, delayed, dead = depths.get(name), depths.get(dq_name(name)), depths.get(xq_name(name))
+                values = entry(name)
+                # A queue RabbitMQ does not have (yet) holds nothing.
+                values["depth"] = ready[0] if ready else 0
+                values["consumers"] = ready[1] if ready else 0
+                values["delayed"] = delayed[0] if delayed else 0
+                values["dead"] = dead[0] if dead else 0
+
+    return Health(
+        queues=tuple(QueueHealth(queue=name, **values) for name, values in sorted(rows.items())),
+        collected_at=time.time(),
+        postgres_error=postgres_error,
+        rabbitmq_error=rabbitmq_error,
+        dead_letters_table=dead_letters_table,
+    )
+
+
+@contextlib.contextmanager
+def _connection(database: DatabaseSource, connect_timeout_s: int) -> Iterator[psycopg.Connection[Any]]:
+    if isinstance(database, Database):
+        with database.connection() as conn:
+            yield conn
+    elif isinstance(database, psycopg.Connection):
+        yield database
+    else:
+        with psycopg.connect(database, connect_timeout=connect_timeout_s) as conn:
+            yield conn
+
+
+def _read_postgres(
+    conn: psycopg.Connection[Any],
+    *,
+    schema: str,
+    entry: Callable[[str], dict[str, Any]],
+    discover_queues: bool,
+    retries_waiting: bool,
+    statement_timeout_ms: int,
+) -> bool:
+    """Fill in the outbox and dead-letter numbers; return whether the dead-letter table exists."""
+    with conn.transaction():
+        # SET LOCAL: the bound ends with this transaction, leaving a pooled connection as it was.
+        conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(statement_timeout_ms))))
+        _ensure_outbox(conn, schema)
+        if discover_queues:
+            for (queue_name,) in conn.execute(_sql.query("status_outbox_queues", schema)):
+                entry(queue_name).setdefault("outbox_backlog", 0)
+        for queue_name, backlog, failing, oldest_age_s in conn.execute(_sql.query("status_outbox_backlog", schema)):
+            values = entry(queue_name)
+            values["outbox_backlog"] = (values.get("outbox_backlog") or 0) + int(backlog)
+            values["outbox_failing"] = (values.get("outbox_failing") or 0) + int(failing)
+            age = round(float(oldest_age_s), 3)
+            values["outbox_oldest_age_s"] = max(values.get("outbox_oldest_age_s") or 0.0, age)
+        if retries_waiting:
+            counts = _retries_waiting(conn, schema)
+            for queue_name, count in counts.items():
+                entry(queue_name)["retries_waiting"] = count
+        table = sql.Identifier(schema, _DEAD_LETTERS_TABLE).as_string(conn)
+        row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
+        exists = bool(row and row[0])
+        if exists:
+            for queue_name, count, newest_age_s in conn.execute(_sql.query("status_dead_letters", schema)):
+                if not discover_queues and not count:
+                    continue
+                values = entry(queue_name)
+                values["dead_letters"] = (values.get("dead_letters") or 0) + int(count)
+                if newest_age_s is not None:
+                    age = round(float(newest_age_s), 3)
+                    previous = values.get("dead_letters_newest_age_s")
+                    values["dead_letters_newest_age_s"] = age if previous is None else min(previous, age)
+    return exists
+
+
+def _ensure_outbox(conn: psycopg.Connection[Any], schema_name: str) -> None:
+    """Raise ``SchemaNotReady`` unless the outbox tables exist (never aborts the transaction)."""
+    schema.ensure_ready(conn, schema=schema_name, required=STATUS_SCHEMA_VERSION, feature="outbox")
+
+
+def _retries_waiting(conn: psycopg.Connection[Any], schema_name: str) -> dict[str, int]:
+    from dramatiq.errors import DecodeError
+    from dramatiq.message import Message
+
+    counts: dict[str, int] = {}
+    # A server-side cursor streams the rows: the delayed backlog may be large.
+    with conn.cursor(name="dramatiq_reliable_status_retries") as cursor:
+        cursor.itersize = 1000
+        cursor.execute(_sql.query("status_retries_waiting", schema_name))
+        for queue_name, body in cursor:
+            try:
+                retries = Message.decode(bytes(body)).options.get("retries")
+            except (DecodeError, TypeError, ValueError, AttributeError):
+                continue  # not ours to judge: a body the encoder cannot read is not counted
+            if isinstance(retries, int) and retries >= 1:
+                counts[q_name(queue_name)] = counts.get(q_name(queue_name), 0) + 1
+    return counts
+
+
+def _describe(error: BaseException) -> str:
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+# --------------------------------------------------------------------------------------------
+# Cached readings, for gauges
+# --------------------------------------------------------------------------------------------
+
+
+class HealthMonitor:
+    """A :func:`collect_health` reading cached for ``ttl_s`` seconds, for observable gauges.
+
+    Every gauge callback of a scrape asks for the reading; the first refreshes it and the
+    others get the cached one, so a scrape costs one backlog query and a few passive declares
+    however many gauges read it, and a down database is asked once per ``ttl_s``, not once per
+    gauge.  Thread-safe.
+
+    Parameters:
+      database, schema: where the tables are; ``None`` skips Postgres.
+      rabbitmq: a :class:`QueueDepths`; ``None`` skips RabbitMQ.
+      queues: called at each refresh for the queues to report (e.g. a broker's declared queues).
+      ttl_s: how long a reading is reused.
+      statement_timeout_ms: a bound on each query, so a scrape never waits on a locked table.
+    """
+
+    def __init__(
+        self,
+        *,
+        database: DatabaseSource | None,
+        schema: str = _sql.DEFAULT_SCHEMA,
+        rabbitmq: QueueDepths | None = None,
+        queues: Callable[[], Iterable[str]] = tuple,
+        ttl_s: float = 10.0,
+        statement_timeout_ms: int = 2000,
+    ) -> None:
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or ttl_s < 0:
+            raise ConfigurationError(f"ttl_s must be a non-negative number of seconds, got {ttl_s!r}")
+        self.database = database
+        self.schema = _sql.validate_schema(schema)
+        self.rabbitmq = rabbitmq
+        self.queues = queues
+        self.ttl_s = float(ttl_s)
+        self.statement_timeout_ms = statement_timeout_ms
+        self._lock = threading.Lock()
+        self._reading: Health | None = None
+        self._read_at = float("-inf")
+
+    def get(self) -> Health | None:
+        """The cached reading, refreshed when older than ``ttl_s``; ``None`` if it cannot be read."""
+        with self._lock:
+            if time.monotonic() - self._read_at < self.ttl_s:
+                return self._reading
+            # Failed readings are cached too: a down service is asked once per ttl_s.
+            self._read_at = time.monotonic()
+            try:
+                reading = collect_health(
+                    database=self.database,
+                    schema=self.schema,
+                    rabbitmq=self.rabbitmq,
+                    queues=list(self.queues()),
+                    discover_queues=False,
+                    statement_timeout_ms=self.statement_timeout_ms,
+                )
+            except Exception as error:
+                logger.warning("could not read the health numbers for the gauges: %s", _describe(error))
+                self._reading = None
+                return None
+            for service, problem in (("Postgres", reading.postgres_error), ("RabbitMQ", reading.rabbitmq_error)):
+                if problem:
+                    logger.warning("health gauges: cannot read %s: %s", service, problem)
+            self._reading = reading
+            return reading
+
+    def close(self) -> None:
+        """Close the RabbitMQ connection (the next reading reopens it)."""
+        if self.rabbitmq is not None:
+            self.rabbitmq.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    """Limits for :func:`check_health`, each per queue; ``None`` is no limit."""
+
+    max_outbox_age_ms: int | None = None
+    max_outbox_backlog: int | None = None
+    max_dead_letters: int | None = None
+    max_queue_depth: int | None = None
+    max_dead_queue: int | None = None
+
+    def any(self) -> bool:
+        return any(value is not None for value in dataclasses.astuple(self))
+
+
+def check_health(health: Health, thresholds: Thresholds) -> list[str]:
+    """One line per threshold crossed (empty when all hold), naming the queue and the numbers."""
+    problems: list[str] = []
+    for item in health.queues:
+        age = item.outbox_oldest_age_s
+        if thresholds.max_outbox_age_ms is not None and age is not None and age * 1000 > thresholds.max_outbox_age_ms:
+            problems.append(
+                f"queue {item.queue!r}: oldest unpublished outbox row is {_age(age)} old, over "
+                f"--max-outbox-age {_age(thresholds.max_outbox_age_ms / 1000)} (is a relay running?)"
+            )
+        for value, limit, what, option in (
+            (item.outbox_backlog, thresholds.max_outbox_backlog, "unpublished outbox rows", "--max-outbox-backlog"),
+            (item.dead_letters, thresholds.max_dead_letters, "dead letters", "--max-dead-letters"),
+            (item.depth, thresholds.max_queue_depth, "messages waiting", "--max-queue-depth"),
+            (item.dead, thresholds.max_dead_queue, "messages in its .XQ", "--max-dead-queue"),
+        ):
+            if limit is not None and value is not None and value > limit:
+                problems.append(f"queue {item.queue!r}: {value} {what}, over {option} {limit}")
+    if thresholds.max_dead_letters is not None and health.dead_letters_table is False:
+        problems.append(
+            "the dead-letter table does not exist, so --max-dead-letters cannot be checked; "
+            "run 'dramatiq-reliable migrate'"
+        )
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------
+
+
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    parents: Sequence[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add the ``status`` command to ``dramatiq-reliable``.
+
+    ``parents`` must supply ``--database-url``, ``--schema`` and ``--rabbitmq-url`` (the
+    CLI's common parsers); the handler is set as ``handler`` and returns an exit code.
+    """
+    parser = subparsers.add_parser(
+        "status",
+        parents=list(parents),
+        help="queue depth, outbox backlog, dead letters; --check for probes",
+        description=_COMMAND_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_arguments(parser)
+    return parser
+
+
+_COMMAND_DESCRIPTION = """\
+Print the health numbers of every queue: RabbitMQ depth, delayed and dead (.XQ) messages,
+the outbox backlog and its oldest row, dead letters and the newest, retries waiting.
+
+With --check, exit 5 when a threshold is crossed (the reasons go to stderr), for cron,
+Kubernetes probes and alerting.  Exit 3 when Postgres or RabbitMQ cannot be reached.
+"""
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .cli import _duration_ms
+
+    parser.add_argument(
+        "--queue",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a queue to report on (repeatable); queues found in the outbox and dead letters are added",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--skip-rabbitmq", action="store_true", help="do not connect to RabbitMQ")
+    parser.add_argument("--check", action="store_true", help="exit 5 (CHECK_FAILED) when a threshold below is crossed")
+    limits = parser.add_argument_group("thresholds (per queue, with --check)")
+    limits.add_argument("--max-outbox-age", type=_duration_ms, metavar="DURATION", help="e.g. 60s")
+    limits.add_argument("--max-outbox-backlog", type=_non_negative, metavar="N")
+    limits.add_argument("--max-dead-letters", type=_non_negative, metavar="N")
+    limits.add_argument("--max-queue-depth", type=_non_negative, metavar="N")
+    limits.add_argument("--max-dead-queue", type=_non_negative, metavar="N", help="messages in the .XQ")
+    parser.set_defaults(handler=_handle, status_parser=parser)
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; thresholds are 0 or more")
+    return value
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from .cli import ExitCode
+
+    thresholds = Thresholds(
+        max_outbox_age_ms=args.max_outbox_age,
+        max_outbox_backlog=args.max_outbox_backlog,
+        max_dead_letters=args.max_dead_letters,
+        max_queue_depth=args.max_queue_depth,
+        max_dead_queue=args.max_dead_queue,
+    )
+    if thresholds.any() and not args.check:
+        args.status_parser.error("the --max-* thresholds apply only with --check")
+    try:
+        _sql.validate_schema(args.schema)
+    except ConfigurationError as error:
+        return _fail(str(error), ExitCode.USAGE)
+    rabbitmq = None if args.skip_rabbitmq else QueueDepths(url=args.rabbitmq_url)
+    try:
+        health = collect_health(
+            database=args.database_url,
+            schema=args.schema,
+            rabbitmq=rabbitmq,
+            queues=args.queue,
+            discover_queues=True,
+            retries_waiting=True,
+        )
+    except SchemaNotReady as error:
+        return _fail(str(error), ExitCode.SCHEMA)
+    finally:
+        if rabbitmq is not None:
+            rabbitmq.close()
+
+    problems = check_health(health, thresholds) if args.check else []
+    if args.json:
+        document = health.as_dict()
+        if args.check:
+            document["check"] = {"ok": health.ok and not problems, "problems": problems}
+        print(json.dumps(document, indent=2))
+    else:
+        print(render_table(health))
+    if not health.ok:
+        for service, problem in (("Postgres", health.postgres_error), ("RabbitMQ", health.rabbitmq_error)):
+            if problem:
+                print(f"dramatiq-reliable: error: cannot reach {service}: {problem}", file=sys.stderr)
+        return ExitCode.UNAVAILABLE
+    if problems:
+        for problem in problems:
+            print(f"dramatiq-reliable: check failed: {problem}", file=sys.stderr)
+        return ExitCode.CHECK_FAILED
+    if args.check and not args.json:
+        print("check passed" + ("" if thresholds.any() else " (services reachable; no thresholds given)"))
+    return ExitCode.OK
+
+
+def _fail(message: str, code: ExitCode) -> int:
+    print(f"dramatiq-reliable: error: {message}", file=sys.stderr)
+    return int(code)
+
+
+def render_table(health: Health) -> str:
+    """The reading as an aligned text table, one queue a line, with totals when there are several."""
+    headers = (
+        "queue",
+        "depth",
+        "delayed",
+        "dead(.XQ)",
+        "consumers",
+        "outbox",
+        "oldest",
+        "failing",
+        "dead letters",
+        "newest",
+        "retrying",
+    )
+    lines: list[tuple[str, ...]] = []
+    for item in health.queues:
+        lines.append(
+            (
+                item.queue,
+                _n(item.depth),
+                _n(item.delayed),
+                _n(item.dead),
+                _n(item.consumers),
+                _n(item.outbox_backlog),
+                _age(item.outbox_oldest_age_s),
+                _n(item.outbox_failing),
+                _n(item.dead_letters),
+                _age(item.dead_letters_newest_age_s, suffix=" ago"),
+                _n(item.retries_waiting),
+            )
+        )
+    if len(health.queues) > 1:
+        totals = health.totals()
+        lines.append(
+            (
+                "(all)",
+                _n(totals["depth"]),
+                _n(totals["delayed"]),
+                _n(totals["dead"]),
+                "",
+                _n(totals["outbox_backlog"]),
+                _age(totals["outbox_oldest_age_s"]),
+                _n(totals["outbox_failing"]),
+                _n(totals["dead_letters"]),
+                _age(totals["dead_letters_newest_age_s"], suffix=" ago"),
+                _n(totals["retries_waiting"]),
+            )
+        )
+    if not lines:
+        return "no queues found: name them with --queue"
+    widths = [max(len(row[i]) for row in (headers, *lines)) for i in range(len(headers))]
+    out = []
+    for row in (headers, *lines):
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
+        out.append("  ".join(cells).rstrip())
+    if health.dead_letters_table is False:
+        out.append("(no dead-letter table in this schema: dead letters are not counted)")
+    return "\n".join(out)
+
+
+def _n(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _age(seconds: float | None, *, suffix: str = "") -> str:
+    if seconds is None:
+        return "-"
+    # Two units' worth before switching, so "75s" is not rounded to "1m" next to a 60s threshold.
+    if seconds < 10:
+        text = f"{seconds:.1f}s"
+    elif seconds < 120:
+        text = f"{seconds:.0f}s"
+    elif seconds < 7200:
+        text = f"{seconds / 60:.0f}m"
+    elif seconds < 172800:
+        text = f"{seconds / 3600:.1f}h"
+    else:
+        text = f"{seconds / 86400:.1f}d"
+    return text + suffix
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m dramatiq_reliable.status``: the ``status`` command without the rest of the CLI."""
+    from .cli import DEFAULT_DATABASE_URL, DEFAULT_RABBITMQ_URL
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--database-url", default=DEFAULT_DATABASE_URL, help="Postgres URL")
+    common.add_argument("--schema", default=_sql.DEFAULT_SCHEMA, help="schema of the tables (default: %(default)s)")
+    common.add_argument("--rabbitmq-url", default=DEFAULT_RABBITMQ_URL, help="RabbitMQ URL")
+    parser = argparse.ArgumentParser(
+        prog="dramatiq-reliable status",
+        parents=[common],
+        description=_COMMAND_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.getLogger("pika").setLevel(logging.CRITICAL)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    return int(handler(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
