@@ -1,6 +1,6 @@
 """dramatiq-reliable: background jobs on Dramatiq that end done, retrying, or loudly failed."""
 
-from . import events
+from . import events, idempotency
 from .classify import Decision, classify
 from .database import Database
 from .dead_letters import DeadLetter, DeadLetterFilter, DeadLetters, DeadLetterStore, ReplayResult
@@ -14,6 +14,7 @@ from .errors import (
     SchemaNotReady,
     Unrecoverable,
 )
+from .idempotency import Idempotency, IdempotencyConflict, IdempotencyKeyError, current_job, external_key
 from .outbox import OutboxBroker, Relay, WorkerRelay, bind, current_connection
 from .retries import ClassifiedRetries, build_middleware, no_delays
 from .schema import migrate, migration_sql
@@ -28,6 +29,9 @@ __all__ = [
     "DeadLetterStore",
     "DeadLetters",
     "Decision",
+    "Idempotency",
+    "IdempotencyConflict",
+    "IdempotencyKeyError",
     "NotBound",
     "OutboxBroker",
     "OutboxWriteError",
@@ -42,7 +46,10 @@ __all__ = [
     "build_middleware",
     "classify",
     "current_connection",
+    "current_job",
     "events",
+    "external_key",
+    "idempotency",
     "migrate",
     "migration_sql",
     "no_delays",

@@ -1,4 +1,4 @@
-"""The ``dramatiq-reliable`` command: schema, relay and outbox maintenance.
+"""The ``dramatiq-reliable`` command: schema, relay, outbox, idempotency keys, dead letters, status.
 
 The only place that reads the environment: ``DATABASE_URL`` and ``RABBITMQ_URL`` give the
 defaults of ``--database-url`` and ``--rabbitmq-url``.  Errors print one line (the traceback
@@ -100,6 +100,13 @@ def _parser() -> argparse.ArgumentParser:
     stats = outbox_commands.add_parser("stats", parents=[common], help="backlog, failing rows, oldest age")
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(handler=_outbox_stats)
+
+    idempotency = commands.add_parser("idempotency", help="maintain processed-job keys")
+    idempotency_commands = idempotency.add_subparsers(dest="idempotency_command", required=True, metavar="ACTION")
+    keys_purge = idempotency_commands.add_parser("purge", parents=[common], help="delete expired idempotency keys")
+    keys_purge.add_argument("--batch-size", type=int, default=5000)
+    keys_purge.add_argument("--json", action="store_true")
+    keys_purge.set_defaults(handler=_idempotency_purge)
 
     from . import dead_letters_cli, status
 
@@ -205,6 +212,18 @@ def _outbox_purge(args: argparse.Namespace) -> int:
     finally:
         database.close()
     print(json.dumps({"deleted": deleted}) if args.json else f"deleted {deleted} published rows")
+    return ExitCode.OK
+
+
+def _idempotency_purge(args: argparse.Namespace) -> int:
+    from .idempotency import purge_expired
+
+    database = _database(args)
+    try:
+        deleted = purge_expired(database, schema=args.schema, batch_size=args.batch_size)
+    finally:
+        database.close()
+    print(json.dumps({"deleted": deleted}) if args.json else f"deleted {deleted} expired idempotency keys")
     return ExitCode.OK
 
 

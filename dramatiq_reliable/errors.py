@@ -9,10 +9,16 @@ Every error here says what went wrong and ends with the fix.  The tree::
           ├── PayloadError                  a message that cannot be encoded, raised by send()
           ├── NotBound                      send() with no bound transaction under on_unbound="error"
           ├── OutboxWriteError              the outbox insert failed; the message was not stored
-          └── Unrecoverable                 raised by an actor: never retried, dead-lettered at once
+          ├── Unrecoverable                 raised by an actor: never retried, dead-lettered at once
+          ├── IdempotencyKeyError           (idempotency.py) a job key that cannot be computed
+          ├── IdempotencyConflict           (idempotency.py) a key reused with other arguments
+          └── NoCurrentJob                  (idempotency.py) job helpers called outside a job
 
     dramatiq.middleware.MiddlewareError
-     └── DatabaseUnavailable                raised from a before-hook so the actor does not run
+     ├── DatabaseUnavailable                raised from a before-hook so the actor does not run
+     └── IdempotencyOptionError             (idempotency.py) a bad actor option, raised at decoration
+
+The two idempotency errors that stop a message also subclass Dramatiq's ``SkipMessage``.
 
 The driver error, where there is one, is kept as ``__cause__``.
 """
