@@ -12,6 +12,7 @@ import enum
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from . import _sql, schema
 from .database import Database
 from .errors import ReliableError
 
-__all__ = ["ExitCode", "main"]
+__all__ = ["ExitCode", "common_parents", "duration_ms", "main"]
 
 logger = logging.getLogger("dramatiq_reliable.cli")
 
@@ -45,23 +46,20 @@ class ExitCode(enum.IntEnum):
     REFUSED = 8  # some rows were left alone (too old, already handled); the rest were handled
 
 
-def _duration_ms(text: str) -> int:
-    """Parse ``500ms``, ``30s``, ``15m``, ``6h``, ``7d`` (or a bare number of seconds)."""
-    units = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
-    text = text.strip().lower()
-    for suffix in ("ms", "s", "m", "h", "d"):
-        if text.endswith(suffix) and text[: -len(suffix)].replace(".", "", 1).isdigit():
-            return int(float(text[: -len(suffix)]) * units[suffix])
-    if text.replace(".", "", 1).isdigit():
-        return int(float(text) * 1000)
-    raise argparse.ArgumentTypeError(f"{text!r} is not a duration; write e.g. 30s, 15m, 7d")
+_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 7 * 86_400_000}
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?$")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dramatiq-reliable", description="Outbox, retries and dead letters for Dramatiq on Postgres."
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and debug logs")
+def duration_ms(text: str) -> int:
+    """``500ms``, ``30s``, ``15m``, ``6h``, ``7d``, ``2w`` (a bare number is seconds) as ms."""
+    match = _DURATION.match(text.strip().lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration; write e.g. 30s, 15m, 7d")
+    return int(float(match[1]) * _UNITS_MS[match[2] or "s"])
+
+
+def common_parents() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The shared option parsers: (``--database-url`` and ``--schema``, ``--rabbitmq-url``)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--database-url",
@@ -75,6 +73,15 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("RABBITMQ_URL", DEFAULT_RABBITMQ_URL),
         help="RabbitMQ URL (default: $RABBITMQ_URL or the local server)",
     )
+    return common, rabbit
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dramatiq-reliable", description="Outbox, retries and dead letters for Dramatiq on Postgres."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and debug logs")
+    common, rabbit = common_parents()
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     migrate = commands.add_parser("migrate", parents=[common], help="create or upgrade the tables")
@@ -84,9 +91,9 @@ def _parser() -> argparse.ArgumentParser:
 
     relay = commands.add_parser("relay", parents=[common, rabbit], help="forward outbox rows to RabbitMQ")
     relay.add_argument("--batch-size", type=int, default=500)
-    relay.add_argument("--poll-interval", type=_duration_ms, default=1000, help="fallback poll (default 1s)")
+    relay.add_argument("--poll-interval", type=duration_ms, default=1000, help="fallback poll (default 1s)")
     relay.add_argument("--on-published", choices=["mark", "delete"], default="mark")
-    relay.add_argument("--retention", type=_duration_ms, default=86_400_000, help="keep published rows (default 1d)")
+    relay.add_argument("--retention", type=duration_ms, default=86_400_000, help="keep published rows (default 1d)")
     relay.add_argument("--max-priority", type=int, default=None)
     relay.add_argument("--once", action="store_true", help="drain the backlog once and exit")
     relay.set_defaults(handler=_relay)
@@ -94,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     outbox = commands.add_parser("outbox", help="inspect and maintain the outbox")
     outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
     purge = outbox_commands.add_parser("purge", parents=[common], help="delete published rows past retention")
-    purge.add_argument("--older-than", type=_duration_ms, default=86_400_000, help="default 1d")
+    purge.add_argument("--older-than", type=duration_ms, default=86_400_000, help="default 1d")
     purge.add_argument("--json", action="store_true")
     purge.set_defaults(handler=_outbox_purge)
     stats = outbox_commands.add_parser("stats", parents=[common], help="backlog, failing rows, oldest age")

@@ -28,17 +28,14 @@ import contextlib
 import datetime
 import json
 import logging
-import os
-import re
 import shutil
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 import psycopg
 
-from . import _sql
-from .cli import DEFAULT_DATABASE_URL, ExitCode
+from .cli import _DURATION, ExitCode, duration_ms
 from .database import Database
 from .dead_letters import (
     DEFAULT_REPLAY_MAX_AGE_MS,
@@ -47,40 +44,19 @@ from .dead_letters import (
     DeadLetterFilter,
     DeadLetterStore,
 )
-from .errors import ReliableError, SchemaNotReady
 
 __all__ = ["NOT_FOUND", "REFUSED", "main", "register"]
 
 logger = logging.getLogger("dramatiq_reliable.cli")
 
 
-def _exit_code(name: str, fallback: int) -> int:
-    member = ExitCode.__members__.get(name)
-    return int(member) if member is not None else fallback
-
-
 #: A dead letter asked for by id does not exist.
-NOT_FOUND = _exit_code("NOT_FOUND", 7)
+NOT_FOUND = ExitCode.NOT_FOUND
 #: Some dead letters were left alone: first sent too long ago (without ``--force``), or
 #: already replayed or discarded.  The others were handled.
-REFUSED = _exit_code("REFUSED", 8)
+REFUSED = ExitCode.REFUSED
 
-_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 7 * 86_400_000}
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?$")
 _STATE_CHOICES = ("dead", "replayed", "discarded", "all")
-
-
-# --------------------------------------------------------------------------------------------
-# Argument types
-# --------------------------------------------------------------------------------------------
-
-
-def duration_ms(text: str) -> int:
-    """``500ms``, ``30s``, ``15m``, ``6h``, ``7d``, ``2w`` (a bare number is seconds) as ms."""
-    match = _DURATION.match(text.strip().lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration; write e.g. 30s, 15m, 7d")
-    return int(float(match[1]) * _UNITS_MS[match[2] or "s"])
 
 
 def point_in_time(text: str, *, now: datetime.datetime | None = None) -> datetime.datetime:
@@ -201,52 +177,11 @@ def register(
     return parser
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dramatiq-reliable", description="Dead letters of dramatiq-reliable (stand-alone entry point)."
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and debug logs")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--database-url",
-        default=os.environ.get("DATABASE_URL", DEFAULT_DATABASE_URL),
-        help="Postgres URL (default: $DATABASE_URL or the local server)",
-    )
-    common.add_argument("--schema", default=_sql.DEFAULT_SCHEMA, help="schema of the tables (default: %(default)s)")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    register(commands, [common])
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``dead-letters ...`` as ``dramatiq-reliable`` would; return the exit code."""
-    args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    handler: Callable[[argparse.Namespace], int] = args.handler
-    try:
-        return handler(args)
-    except ReliableError as error:
-        _fail(args, error)
-        return ExitCode.SCHEMA if isinstance(error, SchemaNotReady) else ExitCode.ERROR
-    except (psycopg.OperationalError, psycopg.InterfaceError) as error:
-        _fail(args, error, prefix="cannot reach Postgres: ")
-        return ExitCode.UNAVAILABLE
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return ExitCode.ABORTED
+    """Run ``dramatiq-reliable`` (``argv`` starts with ``dead-letters``); return the exit code."""
+    from .cli import main as cli_main
 
-
-def _fail(args: argparse.Namespace, error: BaseException, prefix: str = "") -> None:
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    print(f"dramatiq-reliable: error: {prefix}{first}", file=sys.stderr)
-    if getattr(args, "verbose", False):
-        import traceback
-
-        traceback.print_exception(error)
+    return cli_main(argv)
 
 
 def _error(text: str) -> None:

@@ -588,7 +588,7 @@ Kubernetes probes and alerting.  Exit 3 when Postgres or RabbitMQ cannot be reac
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .cli import _duration_ms
+    from .cli import duration_ms as _duration_ms
 
     parser.add_argument(
         "--queue",
@@ -761,24 +761,10 @@ def _age(seconds: float | None, *, suffix: str = "") -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m dramatiq_reliable.status``: the ``status`` command without the rest of the CLI."""
-    from .cli import DEFAULT_DATABASE_URL, DEFAULT_RABBITMQ_URL
+    """``python -m dramatiq_reliable.status``: ``dramatiq-reliable status`` with ``argv`` as its options."""
+    from .cli import main as cli_main
 
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--database-url", default=DEFAULT_DATABASE_URL, help="Postgres URL")
-    common.add_argument("--schema", default=_sql.DEFAULT_SCHEMA, help="schema of the tables (default: %(default)s)")
-    common.add_argument("--rabbitmq-url", default=DEFAULT_RABBITMQ_URL, help="RabbitMQ URL")
-    parser = argparse.ArgumentParser(
-        prog="dramatiq-reliable status",
-        parents=[common],
-        description=_COMMAND_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.getLogger("pika").setLevel(logging.CRITICAL)
-    handler: Callable[[argparse.Namespace], int] = args.handler
-    return int(handler(args))
+    return cli_main(["status", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,7 +8,7 @@ import pytest
 
 from dramatiq_reliable import ConfigurationError, OutboxBroker, Relay, bind, current_connection, schema
 from dramatiq_reliable._sql import compose, validate_schema
-from dramatiq_reliable.cli import _duration_ms
+from dramatiq_reliable.cli import duration_ms as _duration_ms
 from dramatiq_reliable.database import Database
 
 
