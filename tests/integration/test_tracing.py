@@ -19,30 +19,20 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from dramatiq_reliable import OutboxBroker, Unrecoverable, WorkerRelay
-from dramatiq_reliable.outbox import relay as relay_module
+from dramatiq_reliable import (
+    ClassifiedRetries,
+    DeadLetters,
+    Idempotency,
+    OutboxBroker,
+    SchemaNotReady,
+    Unrecoverable,
+    WorkerRelay,
+    build_middleware,
+)
 from dramatiq_reliable.testing import drain_outbox, wait_for
 from dramatiq_reliable.tracing import TRACE_CONTEXT_KEY, Tracing
 
-try:
-    from dramatiq_reliable.retries import ClassifiedRetries, build_middleware
-except ImportError:  # pragma: no cover - until the retries work is merged
-    ClassifiedRetries = None  # type: ignore[assignment,misc]
-try:
-    from dramatiq_reliable.dead_letters import DeadLetters
-except ImportError:  # pragma: no cover
-    DeadLetters = None  # type: ignore[assignment,misc]
-try:
-    from dramatiq_reliable.idempotency import Idempotency
-except ImportError:  # pragma: no cover
-    Idempotency = None  # type: ignore[assignment,misc]
-
 pytestmark = pytest.mark.integration
-
-RELAY_HOOK = hasattr(relay_module, "OutboxBatchPublished")
-needs_relay_hook = pytest.mark.skipif(
-    not RELAY_HOOK, reason="the relay does not emit outbox.batch_published yet (the hook Tracing asks for)"
-)
 
 
 @dataclasses.dataclass
@@ -101,17 +91,8 @@ def tracing(otel: Otel) -> Iterator[Tracing]:
 @pytest.fixture
 def traced(rabbitmq_url: str, database_url: str, db_schema: str, tracing: Tracing) -> Iterator[OutboxBroker]:
     """An OutboxBroker with Tracing first and, where they exist, DeadLetters, Idempotency and ClassifiedRetries."""
-    extras: list[Middleware] = [tracing]
-    if DeadLetters is not None:
-        extras.append(DeadLetters())
-    if Idempotency is not None:
-        extras.append(Idempotency(default_mode="off"))
-    if ClassifiedRetries is not None:
-        middleware = build_middleware(retries=ClassifiedRetries(max_retries=5, testing=True), middleware=extras)
-    else:  # pragma: no cover
-        from dramatiq.middleware import Retries, default_middleware
-
-        middleware = [*extras, *(m() for m in default_middleware if m is not Retries), Retries(min_backoff=1)]
+    extras: list[Middleware] = [tracing, DeadLetters(), Idempotency(default_mode="off")]
+    middleware = build_middleware(retries=ClassifiedRetries(max_retries=5, testing=True), middleware=extras)
     broker = OutboxBroker(url=rabbitmq_url, database_url=database_url, schema=db_schema, middleware=middleware)
     dramatiq.set_broker(broker)
     yield broker
@@ -168,7 +149,6 @@ def test_one_trace_from_the_request_through_the_outbox_to_processing(traced, que
     assert otel.total("messaging.client.operation.duration", **{"messaging.operation.type": "create"}) == 1
 
 
-@needs_relay_hook
 def test_the_relay_publish_span_is_in_the_trace_and_linked_to_the_producer_span(traced, queue_name, otel):
     @dramatiq.actor(broker=traced, queue_name=queue_name)
     def receipt() -> None:
@@ -189,7 +169,6 @@ def test_the_relay_publish_span_is_in_the_trace_and_linked_to_the_producer_span(
     assert otel.total("messaging.client.sent.messages", **{"messaging.destination.name": queue_name}) == 1
 
 
-@pytest.mark.skipif(ClassifiedRetries is None, reason="dramatiq_reliable.retries is not available")
 def test_a_job_failing_twice_then_succeeding_is_one_trace_of_three_linked_attempts(
     traced, queue_name, otel, run_worker
 ):
@@ -225,8 +204,7 @@ def test_a_job_failing_twice_then_succeeding_is_one_trace_of_three_linked_attemp
     requeues = otel.spans(f"create {queue_name}.DQ")
     assert sorted(span.parent.span_id for span in requeues) == sorted(a.context.span_id for a in attempts[:2])
     assert all(span.context.trace_id == create.context.trace_id for span in otel.spans())
-    if RELAY_HOOK:
-        assert len(otel.spans(f"send {queue_name}.DQ")) == 2
+    assert len(otel.spans(f"send {queue_name}.DQ")) == 2
     assert " ".join(span.name for span in otel.spans()).count("attempt") == 0
 
     # The metrics say what happened: three deliveries, two retries, two failed durations.
@@ -238,10 +216,6 @@ def test_a_job_failing_twice_then_succeeding_is_one_trace_of_three_linked_attemp
     assert otel.total("dramatiq_reliable.dead_lettered") == 0
 
 
-@pytest.mark.skipif(
-    DeadLetters is None or Idempotency is None or ClassifiedRetries is None,
-    reason="needs the DeadLetters, Idempotency and ClassifiedRetries middleware",
-)
 def test_a_duplicate_and_a_dead_letter_show_their_events_and_gauges_count_them(
     traced, queue_name, otel, run_worker, db, db_schema, tracing
 ):
@@ -354,3 +328,18 @@ def test_a_producer_that_never_boots_a_worker_traces_its_sends(traced, queue_nam
     assert len(creates) == 2
     assert len({span.context.trace_id for span in creates}) == 2
     assert otel.total("messaging.client.sent.messages") == 0  # created, not yet sent
+
+
+def test_a_failed_outbox_insert_ends_its_create_span_as_an_error(
+    rabbitmq_url, database_url, unmigrated_schema, queue_name, tracing, otel
+):
+    broker = OutboxBroker(url=rabbitmq_url, database_url=database_url, schema=unmigrated_schema, middleware=[tracing])
+    try:
+        task = dramatiq.actor(lambda: None, actor_name=f"{queue_name}_a", queue_name=queue_name, broker=broker)
+        with pytest.raises(SchemaNotReady):
+            task.send()
+    finally:
+        broker.close()
+    (span,) = otel.spans(f"create {queue_name}")
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.attributes["error.type"].endswith("SchemaNotReady")

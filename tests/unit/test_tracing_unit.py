@@ -23,12 +23,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from dramatiq_reliable import ConfigurationError, events
+from dramatiq_reliable.retries import ClassifiedRetries
 from dramatiq_reliable.tracing import PREVIOUS_ATTEMPT_KEY, TRACE_CONTEXT_KEY, TRACE_ORIGIN_KEY, Tracing
-
-try:
-    from dramatiq_reliable.retries import ClassifiedRetries
-except ImportError:  # pragma: no cover - the retries work is not merged yet
-    ClassifiedRetries = None  # type: ignore[assignment,misc]
 
 
 @dataclasses.dataclass
@@ -138,8 +134,6 @@ def test_a_send_and_its_processing_share_one_trace_with_the_producer_span_as_par
 @pytest.mark.parametrize("retry_kind", ["dramatiq", "classified"])
 def test_a_job_that_fails_twice_has_three_linked_attempts_with_their_retry_decisions(otel, tracing, retry_kind):
     if retry_kind == "classified":
-        if ClassifiedRetries is None:
-            pytest.skip("dramatiq_reliable.retries is not available")
         retries: Middleware = ClassifiedRetries(max_retries=5, testing=True)
     else:
         retries = Retries(min_backoff=1, max_backoff=2)
