@@ -22,7 +22,7 @@ from dramatiq.middleware.time_limit import TimeLimit
 from psycopg import sql
 from support import TcpProxy
 
-from dramatiq_reliable import OutboxBroker, Unrecoverable, WorkerRelay, events
+from dramatiq_reliable import ClassifiedRetries, OutboxBroker, Unrecoverable, WorkerRelay, events
 from dramatiq_reliable.dead_letters import (
     DeadLetter,
     DeadLetterFilter,
@@ -244,13 +244,10 @@ def test_a_time_limit_kill_is_stored_with_the_time_limit_error(make_broker, run_
 def test_classified_retries_decisions_are_stored_with_reason_and_http_status(
     make_broker, run_worker, queue_name, db, db_schema
 ):
-    retries_module = pytest.importorskip(
-        "dramatiq_reliable.retries", reason="ClassifiedRetries (dramatiq_reliable/retries.py) is not in the tree yet"
-    )
     broker = make_broker(
         *_middleware(
             DeadLetters(),
-            retries=retries_module.ClassifiedRetries(max_retries=2, min_backoff=10, max_backoff=20, jitter="none"),
+            retries=ClassifiedRetries(max_retries=2, min_backoff=10, max_backoff=20, jitter="none"),
         )
     )
 
