@@ -3,19 +3,25 @@
     python benchmarks/idempotency.py [--n 10000] [--threads 8] [--rounds 3]
     IDEMPOTENCY_BENCH_N=1000 python benchmarks/idempotency.py
 
-Four scenarios per round, interleaved so that machine noise hits them alike:
-  1. db_without:   plain RabbitmqBroker; the actor borrows a pooled connection, opens a
-                   transaction, inserts one business row and commits (what a careful actor does
-                   anyway);
-  2. db_with:      the same broker plus ``Idempotency`` (transactional); the actor inserts its row
-                   on the job connection, so the key is one more statement in a transaction that
-                   commits anyway;
-  3. noop_without: an actor that does nothing;
-  4. noop_with:    the same with ``Idempotency`` (transactional: BEGIN, key INSERT, COMMIT).
+Five scenarios per round, interleaved so that machine noise hits them alike:
+  1. db_without:         plain RabbitmqBroker; the actor borrows a pooled connection, opens a
+                         transaction, inserts one business row and commits (what a careful actor
+                         does anyway);
+  2. db_with:            the same broker plus ``Idempotency`` (transactional); the actor inserts its
+                         row on the job connection, so the key is one more statement in a
+                         transaction that commits anyway;
+  3. noop_without:       an actor that does nothing;
+  4. noop_with:          the same with ``Idempotency`` in its default, transactional mode (BEGIN,
+                         key INSERT, COMMIT per message);
+  5. noop_record:        the same no-op actor in record mode, the mode the docs recommend for an
+                         actor whose effects are outside Postgres: an autocommit lookup before the
+                         actor, an autocommit key INSERT after it (reported so that neither figure
+                         is hidden; on 2 cores it is not faster: docs/idempotency.md, "Speed").
 Every scenario gets its own queue, pre-filled with ``--n`` messages published straight to
 RabbitMQ (not through the outbox), so only processing is measured: wall time from worker start
 until the actor has run ``--n`` times.  The last line printed is one JSON object with the median
-rates (messages/s) and the ratios with/without.
+rates (messages/s) and the ratios with/without: ``db_actor_ratio`` (2 / 1), ``noop_ratio``
+(4 / 3) and ``noop_record_ratio`` (5 / 3).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from dramatiq_reliable.idempotency import Idempotency, connection
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
-SCENARIOS = ("db_without", "db_with", "noop_without", "noop_with")
+SCENARIOS = ("db_without", "db_with", "noop_without", "noop_with", "noop_record")
 
 
 def log(text: str) -> None:
@@ -78,10 +84,11 @@ def run_scenario(scenario: str, *, n: int, threads: int, schema: str) -> float:
     queue = f"bench_idem_{uuid.uuid4().hex[:10]}"
     actor_name = f"{scenario}_actor"
     broker = RabbitmqBroker(url=RABBITMQ_URL)
-    with_idempotency = scenario.endswith("_with")
+    with_idempotency = scenario.endswith(("_with", "_record"))
     idempotency = None
     if with_idempotency:
-        idempotency = Idempotency(database_url=DATABASE_URL, schema=schema)
+        mode = "record" if scenario == "noop_record" else "transactional"
+        idempotency = Idempotency(database_url=DATABASE_URL, schema=schema, default_mode=mode)
         broker.add_middleware(idempotency, before=Callbacks)
     # The baseline actor gets the same pool shape the middleware uses (Database's default).
     database = Database(url=DATABASE_URL)
@@ -174,7 +181,7 @@ def main() -> None:
                 reset(schema)
                 rate = run_scenario(scenario, n=args.n, threads=args.threads, schema=schema)
                 rates[scenario].append(rate)
-                log(f"round {round_number} {scenario:<13} {rate:9.0f} msg/s")
+                log(f"round {round_number} {scenario:<18} {rate:9.0f} msg/s")
     finally:
         with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
@@ -188,6 +195,7 @@ def main() -> None:
         **{f"{name}_rates": [round(v, 1) for v in values] for name, values in rates.items()},
         "db_actor_ratio": round(median["db_with"] / median["db_without"], 3),
         "noop_ratio": round(median["noop_with"] / median["noop_without"], 3),
+        "noop_record_ratio": round(median["noop_record"] / median["noop_without"], 3),
     }
     log(json.dumps(results))
 

@@ -433,6 +433,27 @@ def test_record_mode_records_after_success_and_skips_a_later_duplicate(
     assert _named(seen, "idempotency.duplicate")[0]["mode"] == "record"
 
 
+def test_record_mode_under_a_busy_worker_records_each_message_once_and_acks_it(broker, queue_name, db, db_schema, seen):
+    _install(broker)
+    runs: list[int] = []
+
+    @dramatiq.actor(queue_name=queue_name, broker=broker, idempotency="record")
+    def notify(n: int) -> None:
+        runs.append(n)
+
+    messages = [notify.send(n) for n in range(120)]
+    worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=8)
+    worker.start()
+    try:
+        wait_for(lambda: len(_keys(db, db_schema)) == 120, timeout_s=30, message="not every key was recorded")
+        broker.join(queue_name, timeout=10_000)
+    finally:
+        worker.stop()
+    assert sorted(runs) == list(range(120))
+    assert sorted(row[1] for row in _keys(db, db_schema)) == sorted(m.message_id for m in messages)
+    assert not _named(seen, "idempotency.record_failed")
+
+
 # -- retention ----------------------------------------------------------------------------------
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import socket
 from collections.abc import Iterator
@@ -145,6 +147,7 @@ def test_mode_comes_from_the_actor_else_the_middleware_default():
         (lambda n: "", r"gave '', not a non-empty string"),
         (lambda n: None, r"gave None"),
         (lambda n: "x" * 1001, "over 1000"),
+        (lambda n: "€" * 334, "is 1002 bytes, over 1000"),
     ],
 )
 def test_a_key_that_cannot_be_computed_is_an_error_not_a_fallback(broker, derive, match):
@@ -325,6 +328,12 @@ def test_payload_hash_ignores_keyword_order_and_sees_every_value(args: list[Any]
     reordered = dict(reversed(list(kwargs.items())))
     assert payload_hash(tuple(args), kwargs) == payload_hash(list(args), reordered)
     assert payload_hash(tuple(args), kwargs) != payload_hash((*args, "extra"), kwargs)
+
+
+def test_payload_hash_is_unchanged_so_keys_stored_by_earlier_versions_still_match():
+    args, kwargs = (1, "é", [2.5, None]), {"b": {"y": 1, "x": 2}, "a": object}
+    earlier = json.dumps([list(args), kwargs], sort_keys=True, separators=(",", ":"), default=repr, ensure_ascii=False)
+    assert payload_hash(args, kwargs) == hashlib.sha256(earlier.encode()).digest()
 
 
 def test_the_purge_actor_shares_the_middleware_database_and_runs_without_idempotency(broker):
