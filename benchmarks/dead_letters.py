@@ -11,8 +11,12 @@ set-based SQL (``generate_series``), then measures:
      an incident (one bug, consecutive rows: the usual bulk replay after a fix, the headline
      figure) and the same number of rows scattered one in nine over the table (the worst case:
      every row on its own page, so every row costs a full-page image in the WAL).
+  3. the baseline, what replaying looks like without a store: a loop over ``--baseline`` dead
+     rows of one other actor that re-sends each message with Dramatiq's own ``RabbitmqBroker``
+     (publisher confirms on, so a re-send is known to have landed) and marks the row replayed.
 The last line printed is one JSON object with ``replay_rows_per_s`` (the incident),
-``replay_scattered_rows_per_s`` and ``list_ms`` (the actor filter's first page).
+``replay_scattered_rows_per_s``, ``baseline_rows_per_s``, ``ratio_to_baseline`` and
+``list_ms`` (the actor filter's first page).
 Targets on 2 cores: replay >= 20,000 rows/s, filtered listing under 50 ms.
 """
 
@@ -28,13 +32,18 @@ import time
 import uuid
 from typing import Any
 
+import dramatiq
 import psycopg
+from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from dramatiq.common import dq_name, xq_name
+from dramatiq.message import Message
 from psycopg import sql
 
 from dramatiq_reliable import migrate
 from dramatiq_reliable.dead_letters import DeadLetterFilter, DeadLetterStore
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 
 # Rows look like real dead letters: a 300-byte message, a 600-byte traceback, 50 actors, 10
 # queues, 6 error types, failures spread over the last 30 days (jobs first sent an hour before).
@@ -132,12 +141,41 @@ def replay(store: DeadLetterStore, conn: psycopg.Connection[Any], schema_name: s
     }
 
 
+def baseline(conn: psycopg.Connection[Any], schema_name: str, rows: int) -> dict[str, Any]:
+    """Re-send ``rows`` dead letters one by one with plain Dramatiq (confirmed), marking each row."""
+    table = sql.Identifier(schema_name, "dead_letters")
+    picked = conn.execute(
+        sql.SQL(
+            "SELECT id, message FROM {} WHERE actor_name = 'actor_3' AND state = 'dead' ORDER BY id LIMIT %s"
+        ).format(table),
+        (rows,),
+    ).fetchall()
+    queue = f"bench_dl_{uuid.uuid4().hex[:8]}"
+    broker = RabbitmqBroker(url=RABBITMQ_URL, confirm_delivery=True, middleware=[])
+    dramatiq.actor(lambda *a, **k: None, actor_name="actor_3", queue_name=queue, broker=broker)
+    broker.declare_queue(queue, ensure=True)
+    mark = sql.SQL("UPDATE {} SET state = 'replayed', handled_at = now() WHERE id = %s").format(table)
+    conn.execute("CHECKPOINT")
+    started = time.perf_counter()
+    for row_id, fields in picked:
+        fields = {**fields, "queue_name": queue, "args": tuple(fields["args"])}
+        broker.enqueue(Message(**fields))
+        conn.execute(mark, (row_id,))
+    seconds = time.perf_counter() - started
+    channel = broker.channel
+    for name in (queue, dq_name(queue), xq_name(queue)):
+        channel.queue_delete(name)
+    broker.close()
+    return {"replayed": len(picked), "seconds": seconds, "rows_per_s": len(picked) / seconds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows in the table (default 1,000,000)")
     parser.add_argument("--replay", type=int, default=100_000, help="rows replayed per layout (default 100,000)")
     parser.add_argument("--batch", type=int, default=5000, help="replay batch size (default 5000)")
     parser.add_argument("--list-runs", type=int, default=30, help="runs of each listing (default 30)")
+    parser.add_argument("--baseline", type=int, default=5000, help="rows re-sent one by one (default 5000)")
     args = parser.parse_args()
     if not 0 < 2 * args.replay <= args.rows:
         parser.error("--replay must be between 1 and half of --rows")
@@ -201,11 +239,18 @@ def main() -> None:
                 f"{figures['rows_per_s']:,.0f} rows/s (count + first batch {figures['first_ms']:.0f} ms, "
                 f"then {figures['batch_ms_median']:.0f} ms per batch of {args.batch:,})"
             )
+        loop = baseline(conn, schema_name, args.baseline)
+        log(
+            f"baseline, a loop of confirmed Dramatiq sends: {loop['replayed']:,} rows in {loop['seconds']:.2f}s = "
+            f"{loop['rows_per_s']:,.0f} rows/s"
+        )
         result = {
             "rows": args.rows,
             "replayed": incident["replayed"],
             "replay_rows_per_s": round(incident["rows_per_s"]),
             "replay_scattered_rows_per_s": round(scattered["rows_per_s"]),
+            "baseline_rows_per_s": round(loop["rows_per_s"]),
+            "ratio_to_baseline": round(incident["rows_per_s"] / loop["rows_per_s"], 1),
             "list_ms": round(statistics.median(first_page), 2),
             "list_ms_p95": round(p95(first_page), 2),
             "list_deep_page_ms": round(statistics.median(deep_page), 2),
