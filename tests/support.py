@@ -6,6 +6,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -94,24 +95,30 @@ class Rabbit:
             return 0
 
     def take_all(self, queue: str, *, expect: int | None = None, idle_s: float = 0.5) -> list[dict[str, Any]]:
-        """Consume (and ack) every message now in ``queue``; decoded Dramatiq bodies."""
-        if self.count(queue) == 0 and not expect:
-            return []
+        """Consume (and ack) every message in ``queue``; decoded Dramatiq bodies.
+
+        Stops once nothing arrived for ``idle_s`` and the queue holds nothing ready, and, with
+        ``expect``, not before that many bodies arrived (or 60 s passed).  Prefetched messages
+        are not counted as ready by RabbitMQ, so only silence proves the queue drained.
+        """
+        if expect is None and self.count(queue) == 0:
+            return []  # also keeps consume() away from a queue that does not exist
         bodies: list[dict[str, Any]] = []
+        last = None
+        deadline = time.monotonic() + 60
         self.channel.basic_qos(prefetch_count=1000)
         for method, _props, body in self.channel.consume(queue, inactivity_timeout=idle_s):
             if method is None:
-                if expect is None or len(bodies) >= expect:
+                drained = self.count(queue) == 0
+                if drained and (expect is None or len(bodies) >= expect or time.monotonic() > deadline):
                     break
                 continue
             bodies.append(json.loads(body))
-            if len(bodies) % 500 == 0:
-                self.channel.basic_ack(method.delivery_tag, multiple=True)
             last = method.delivery_tag
-            if expect is not None and len(bodies) >= expect and self.count(queue) == 0:
-                break
+            if len(bodies) % 500 == 0:
+                self.channel.basic_ack(last, multiple=True)
         self.channel.cancel()
-        if bodies:
+        if last is not None:
             self.channel.basic_ack(last, multiple=True)
         return bodies
 

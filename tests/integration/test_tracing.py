@@ -184,6 +184,9 @@ def test_a_job_failing_twice_then_succeeding_is_one_trace_of_three_linked_attemp
         charge.send()
     run_worker()
     wait_for(lambda: len(otel.spans(f"process {queue_name}")) == 3, timeout_s=30, message="three attempts expected")
+    # The consumer thread ends a delay-queue hop's span after its publish returns, which may be
+    # after a worker thread already processed the moved message: wait for both hops.
+    wait_for(lambda: len(otel.spans(f"send {queue_name}.DQ")) == 2, timeout_s=10, message="two delay-queue hops")
 
     attempts = sorted(otel.spans(f"process {queue_name}"), key=lambda span: span.start_time)
     (create,) = otel.spans(f"create {queue_name}")
