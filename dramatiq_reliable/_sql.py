@@ -10,18 +10,22 @@ from __future__ import annotations
 import functools
 import re
 from importlib import resources
+from typing import Any
 
+import psycopg
 from psycopg import sql
+from psycopg.rows import tuple_row
 
 from .errors import ConfigurationError
 
-__all__ = ["DEFAULT_SCHEMA", "query", "read", "validate_schema"]
+__all__ = ["DEFAULT_SCHEMA", "query", "read", "tuples", "validate_schema"]
 
 DEFAULT_SCHEMA = "dramatiq_reliable"
 
-# Postgres truncates identifiers at 63 bytes; the NOTIFY channel is "<schema>.outbox", so the
-# schema must leave room for that suffix or two schemas could share one channel.
-_MAX_SCHEMA_BYTES = 63 - len(".outbox")
+# Postgres truncates identifiers at 63 bytes; the NOTIFY channels are "<schema>.outbox" and
+# "<schema>.dead_letters", so the schema must leave room for the longer suffix or two schemas
+# could share one channel.
+_MAX_SCHEMA_BYTES = 63 - len(".dead_letters")
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
@@ -38,6 +42,15 @@ def validate_schema(schema: object) -> str:
     if "\x00" in schema:
         raise ConfigurationError(f"schema {schema!r} contains a NUL byte; choose another schema name")
     return schema
+
+
+def tuples(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
+    """A cursor on ``conn`` that returns tuples whatever row factory the app gave its connection.
+
+    An app may share a pool (or bind a connection) configured with ``dict_row``; our queries
+    read columns by position.
+    """
+    return conn.cursor(row_factory=tuple_row)
 
 
 @functools.cache

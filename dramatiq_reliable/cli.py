@@ -239,7 +239,7 @@ def _outbox_stats(args: argparse.Namespace) -> int:
     try:
         with database.connection() as conn:
             schema.ensure_ready(conn, schema=args.schema, required=1, feature="outbox")
-            row = conn.execute(_sql.query("outbox_stats", args.schema)).fetchone()
+            row = _sql.tuples(conn).execute(_sql.query("outbox_stats", args.schema)).fetchone()
     finally:
         database.close()
     assert row is not None

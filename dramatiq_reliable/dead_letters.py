@@ -388,17 +388,10 @@ class DeadLettersDiscarded(events.Event):
 def notify_channel(schema: str) -> str:
     """The NOTIFY channel of new dead letters in ``schema``: ``"<schema>.dead_letters"``.
 
-    Raises ``ConfigurationError`` when the name would pass Postgres' 63-byte identifier limit
-    (LISTEN would silently truncate it and never hear a notification).
+    ``validate_schema`` keeps schema names short enough for this channel to fit Postgres'
+    63-byte identifiers (LISTEN would silently truncate a longer one and never hear a thing).
     """
-    channel = f"{_sql.validate_schema(schema)}{_CHANNEL_SUFFIX}"
-    if len(channel.encode()) > _MAX_IDENTIFIER_BYTES:
-        limit = _MAX_IDENTIFIER_BYTES - len(_CHANNEL_SUFFIX)
-        raise ConfigurationError(
-            f"schema {schema!r} is too long for the dead letters' NOTIFY channel {channel!r} "
-            f"(Postgres allows {_MAX_IDENTIFIER_BYTES} bytes); choose a schema name of at most {limit} bytes"
-        )
-    return channel
+    return f"{_sql.validate_schema(schema)}{_CHANNEL_SUFFIX}"
 
 
 def error_type_name(error_type: type[BaseException]) -> str:
@@ -845,7 +838,9 @@ class DeadLetterStore:
             self._check_ready(conn)
             # Bounds lock waits (a concurrent replay of the same message) so a nack is never held long.
             conn.execute("SELECT set_config('statement_timeout', %s, true)", (str(timeout_ms),))
-            row = conn.execute(self._query("dead_letters_capture"), failure.params(self.channel)).fetchone()
+            row = (
+                _sql.tuples(conn).execute(self._query("dead_letters_capture"), failure.params(self.channel)).fetchone()
+            )
         assert row is not None
         dead_letter_id, captures, sent_at, first_failed_at, last_failed_at = row[:5]
         return DeadLetter(
@@ -878,7 +873,7 @@ class DeadLetterStore:
         """One dead letter with its message, traceback and retry decision, in any state."""
         _check_id(dead_letter_id)
         with self._transaction(None) as conn:
-            row = conn.execute(self._query("dead_letters_get"), {"id": dead_letter_id}).fetchone()
+            row = _sql.tuples(conn).execute(self._query("dead_letters_get"), {"id": dead_letter_id}).fetchone()
         return _record(row, full=True) if row else None
 
     def list(
@@ -903,7 +898,7 @@ class DeadLetterStore:
         params = {**where.params(), "state": state, "before_at": before_at, "before_id": before_id, "limit": limit}
         with self._transaction(None) as conn:
             # prepare=False: planned with the actual values, so unused filters fold away.
-            rows = conn.execute(self._query("dead_letters_list"), params, prepare=False).fetchall()
+            rows = _sql.tuples(conn).execute(self._query("dead_letters_list"), params, prepare=False).fetchall()
         items = tuple(_record(row, full=False) for row in rows)
         next_cursor = _encode_cursor(items[-1].last_failed_at, items[-1].id) if len(items) == limit else None
         return DeadLetterPage(items, next_cursor)
@@ -924,7 +919,7 @@ class DeadLetterStore:
     ) -> tuple[int, int, int]:
         params = {**where.params(), "ids": ids, "state": state, "max_age_s": _seconds(max_age_ms)}
         with self._transaction(conn) as tx:
-            row = tx.execute(self._query("dead_letters_count"), params, prepare=False).fetchone()
+            row = _sql.tuples(tx).execute(self._query("dead_letters_count"), params, prepare=False).fetchone()
         assert row is not None
         return int(row[0]), int(row[1]), int(row[2])
 
@@ -951,9 +946,11 @@ class DeadLetterStore:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
             raise ConfigurationError(f"limit must be an int from 1 to 10000, got {limit!r}")
         with self._transaction(None) as conn:
-            rows = conn.execute(
-                self._query("dead_letters_stats"), {**where.params(), "limit": limit}, prepare=False
-            ).fetchall()
+            rows = (
+                _sql.tuples(conn)
+                .execute(self._query("dead_letters_stats"), {**where.params(), "limit": limit}, prepare=False)
+                .fetchall()
+            )
         return tuple(
             DeadLetterGroup(
                 fingerprint=row[0],
@@ -975,7 +972,7 @@ class DeadLetterStore:
         """Dead letters (state ``dead``) by actor and error type, biggest first: for status
         pages, alert rules and metrics gauges."""
         with self._transaction(None) as conn:
-            rows = conn.execute(self._query("dead_letters_counts")).fetchall()
+            rows = _sql.tuples(conn).execute(self._query("dead_letters_counts")).fetchall()
         return tuple(DeadLetterCount(row[0], row[1], row[2], row[3], row[4]) for row in rows)
 
     # -- replay and discard --------------------------------------------------------------------
@@ -1106,9 +1103,11 @@ class DeadLetterStore:
         after_id = 0
         while True:
             with self._transaction(conn) as tx:
-                row = tx.execute(
-                    self._query(name), {**params, "after_at": after_at, "after_id": after_id}, prepare=False
-                ).fetchone()
+                row = (
+                    _sql.tuples(tx)
+                    .execute(self._query(name), {**params, "after_at": after_at, "after_id": after_id}, prepare=False)
+                    .fetchone()
+                )
             assert row is not None
             handled = int(row[0])
             done += handled
@@ -1123,9 +1122,11 @@ class DeadLetterStore:
         self, conn: psycopg.Connection[Any] | None, ids: Sequence[int], max_age_ms: int | None
     ) -> dict[int, tuple[str, bool]]:
         with self._transaction(conn) as tx:
-            rows = tx.execute(
-                self._query("dead_letters_states"), {"ids": ids, "max_age_s": _seconds(max_age_ms)}
-            ).fetchall()
+            rows = (
+                _sql.tuples(tx)
+                .execute(self._query("dead_letters_states"), {"ids": ids, "max_age_s": _seconds(max_age_ms)})
+                .fetchall()
+            )
         return {row[0]: (row[1], bool(row[3])) for row in rows}
 
     def _problems(

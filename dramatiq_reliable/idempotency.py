@@ -75,6 +75,7 @@ __all__ = [
     "IdempotencyRecordFailed",
     "IdempotencyUnavailable",
     "Job",
+    "JobCommitFailed",
     "Mode",
     "NoCurrentJob",
     "connection",
@@ -128,6 +129,13 @@ class IdempotencyOptionError(ConfigurationError, MiddlewareError):
 
 class NoCurrentJob(ReliableError, LookupError):
     """:func:`connection`, :func:`current_job` or :func:`external_key` used outside a job."""
+
+
+class JobCommitFailed(ReliableError):
+    """The actor returned but its transaction (with its key) did not commit.
+
+    Recorded on the message so its dead letter says why it failed although the actor succeeded.
+    """
 
 
 # -- events -------------------------------------------------------------------------------------
@@ -244,6 +252,7 @@ class _Running:
     conn: psycopg.Connection[Any] | None = None
     pool: ConnectionPool[Any] | None = None
     binding: contextlib.AbstractContextManager[Any] | None = None
+    restore_autocommit: bool = False
 
 
 # Before- and after-hooks of one message run in the same worker thread and context, so a
@@ -554,6 +563,14 @@ class Idempotency(Middleware):
                 events.emit(IdempotencyCommitFailed(*_ids(running), _first_line(error)))
                 # The outcome is unknown: failing (not acking) keeps the message for a replay,
                 # which the key makes safe if the commit did land.
+                failure = JobCommitFailed(
+                    f"actor {running.job.actor_name!r} returned but its transaction did not commit: "
+                    f"{type(error).__name__}: {_first_line(error)}; the job's writes and key were not saved. "
+                    "If the actor does not write to Postgres use idempotency='record' (a long job holding an idle "
+                    "transaction meets idle_in_transaction_session_timeout); replaying the message is safe"
+                )
+                failure.__cause__ = error
+                message.stuff_exception(failure)
                 message.fail()
             return
         self._finish(running, commit=False)
@@ -594,15 +611,21 @@ class Idempotency(Middleware):
         try:
             conn = self._borrow(database)
             running.conn, running.pool = conn, database.pool
+            if conn.autocommit:
+                # A shared app pool may hand out autocommit connections: the key and the job's
+                # writes would then commit one by one, and a failed job would leave its key
+                # behind (its retry skipped as a duplicate).  Run this job in a transaction.
+                conn.autocommit = False
+                running.restore_autocommit = True
             if not self._schema_ready:
                 self._check_schema(conn, schema_name)
             # The key is the transaction's first statement: one round trip on the common path.
             # Only a conflict reads the stored row, in a second statement that sees the commit
             # it may have waited for; a key purged in between is simply claimed again.
             for _attempt in range(3):
-                if conn.execute(claim, params).fetchone() is not None:
+                if _sql.tuples(conn).execute(claim, params).fetchone() is not None:
                     break
-                stored = conn.execute(lookup, params[:2]).fetchone()
+                stored = _sql.tuples(conn).execute(lookup, params[:2]).fetchone()
                 if stored is not None:
                     break
             else:
@@ -635,6 +658,7 @@ class Idempotency(Middleware):
     def _end_transaction(self, running: _Running, *, commit: bool) -> BaseException | None:
         """Commit or roll back, unbind and return the connection; the error of a failed commit."""
         conn, pool, binding = running.conn, running.pool, running.binding
+        restore_autocommit, running.restore_autocommit = running.restore_autocommit, False
         running.conn = running.pool = running.binding = None
         if conn is None or pool is None:
             return None
@@ -659,6 +683,9 @@ class Idempotency(Middleware):
                 binding.__exit__(None, None, None)
         except Exception:  # a context mix-up must not keep the connection from the pool
             logger.exception("could not unbind the job connection of message %s", running.job.message_id)
+        if restore_autocommit and not conn.closed and not conn.broken:
+            with contextlib.suppress(Exception):
+                conn.autocommit = True
         try:
             pool.putconn(conn)
         except Exception:  # a pool closed under us; never let this escape a before-hook
@@ -680,9 +707,11 @@ class Idempotency(Middleware):
             with database.connection(timeout_s=self.connection_timeout_s) as conn, _autocommit(conn):
                 if not self._schema_ready:
                     self._check_schema(conn, schema_name)
-                stored = conn.execute(
-                    _sql.query("idempotency_lookup", schema_name), (job.actor_name, job.key)
-                ).fetchone()
+                stored = (
+                    _sql.tuples(conn)
+                    .execute(_sql.query("idempotency_lookup", schema_name), (job.actor_name, job.key))
+                    .fetchone()
+                )
         except Exception as error:
             self._unavailable(job, error, schema_name)
         if stored is not None:
@@ -699,7 +728,7 @@ class Idempotency(Middleware):
             # was measured no faster: a worker thread waiting on a condition costs about what the
             # round trip it saved did.
             with database.connection(timeout_s=self.connection_timeout_s) as conn, _autocommit(conn):
-                recorded = conn.execute(_sql.query("idempotency_claim", schema_name), params).fetchone()
+                recorded = _sql.tuples(conn).execute(_sql.query("idempotency_claim", schema_name), params).fetchone()
         except Exception as error:
             events.emit(IdempotencyRecordFailed(*_ids(running), _first_line(error)))
             return

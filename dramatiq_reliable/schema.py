@@ -135,10 +135,14 @@ def _version(conn: psycopg.Connection[Any], schema: str) -> int | None:
     # to_regclass returns NULL for a missing table instead of raising, so the caller's
     # transaction stays usable whatever state the schema is in.
     name = sql.Identifier(schema, "migrations").as_string(conn)
-    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()
+    row = _sql.tuples(conn).execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()
     if not row or not row[0]:
         return None
-    row = conn.execute(sql.SQL("SELECT max(version) FROM {}").format(sql.Identifier(schema, "migrations"))).fetchone()
+    row = (
+        _sql.tuples(conn)
+        .execute(sql.SQL("SELECT max(version) FROM {}").format(sql.Identifier(schema, "migrations")))
+        .fetchone()
+    )
     return int(row[0]) if row and row[0] is not None else None
 
 

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from dramatiq.common import dq_name, q_name, xq_name
 from psycopg import sql
+from psycopg.rows import tuple_row
 from psycopg_pool import PoolTimeout
 
 from . import _sql, schema
@@ -376,9 +377,11 @@ def _read_postgres(
         conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(statement_timeout_ms))))
         _ensure_outbox(conn, schema)
         if discover_queues:
-            for (queue_name,) in conn.execute(_sql.query("status_outbox_queues", schema)):
+            for (queue_name,) in _sql.tuples(conn).execute(_sql.query("status_outbox_queues", schema)):
                 entry(queue_name).setdefault("outbox_backlog", 0)
-        for queue_name, backlog, failing, oldest_age_s in conn.execute(_sql.query("status_outbox_backlog", schema)):
+        for queue_name, backlog, failing, oldest_age_s in _sql.tuples(conn).execute(
+            _sql.query("status_outbox_backlog", schema)
+        ):
             values = entry(queue_name)
             values["outbox_backlog"] = (values.get("outbox_backlog") or 0) + int(backlog)
             values["outbox_failing"] = (values.get("outbox_failing") or 0) + int(failing)
@@ -389,10 +392,10 @@ def _read_postgres(
             for queue_name, count in counts.items():
                 entry(queue_name)["retries_waiting"] = count
         table = sql.Identifier(schema, _DEAD_LETTERS_TABLE).as_string(conn)
-        row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
+        row = _sql.tuples(conn).execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
         exists = bool(row and row[0])
         if exists:
-            for queue_name, count, newest_age_s in conn.execute(_sql.query("status_dead_letters", schema)):
+            for queue_name, count, newest_age_s in _sql.tuples(conn).execute(_sql.query("status_dead_letters", schema)):
                 if not discover_queues and not count:
                     continue
                 values = entry(queue_name)
@@ -415,7 +418,7 @@ def _retries_waiting(conn: psycopg.Connection[Any], schema_name: str) -> dict[st
 
     counts: dict[str, int] = {}
     # A server-side cursor streams the rows: the delayed backlog may be large.
-    with conn.cursor(name="dramatiq_reliable_status_retries") as cursor:
+    with conn.cursor(name="dramatiq_reliable_status_retries", row_factory=tuple_row) as cursor:
         cursor.itersize = 1000
         cursor.execute(_sql.query("status_retries_waiting", schema_name))
         for queue_name, body in cursor:

@@ -75,6 +75,9 @@ class OutboxBroker(RabbitmqBroker):
       max_payload_bytes: encoded size above which a send logs a warning; ``None`` disables it.
       worker_write_timeout_ms: how long a send made inside a worker (a retry, say) keeps
         trying while Postgres is unreachable before it raises.
+      pool_max_size: connections in the pool the broker creates from ``database_url``.  A
+        transactional ``Idempotency`` job holds one for its whole run, so give it at least the
+        worker's threads plus two (the relay and the dead letters); the worker warns otherwise.
       confirm_delivery: publisher confirms for the consumer thread's direct publishes.
       middleware, max_priority, parameters, **kwargs: as for ``RabbitmqBroker``.
 
@@ -96,6 +99,7 @@ class OutboxBroker(RabbitmqBroker):
         on_unbound: Unbound = "autocommit",
         max_payload_bytes: int | None = 64 * 1024,
         worker_write_timeout_ms: int = 30_000,
+        pool_max_size: int = 10,
         confirm_delivery: bool = True,
         middleware: list[Middleware] | None = None,
         max_priority: int | None = None,
@@ -107,7 +111,7 @@ class OutboxBroker(RabbitmqBroker):
         if max_payload_bytes is not None and (not isinstance(max_payload_bytes, int) or max_payload_bytes <= 0):
             raise ConfigurationError(f"max_payload_bytes must be a positive int or None, got {max_payload_bytes!r}")
         self.schema = _sql.validate_schema(schema)
-        self.database = Database(url=database_url, pool=pool)
+        self.database = Database(url=database_url, pool=pool, max_size=pool_max_size)
         self.on_unbound: Unbound = on_unbound
         self.max_payload_bytes = max_payload_bytes
         if (
@@ -169,11 +173,12 @@ class OutboxBroker(RabbitmqBroker):
         if delay is not None:
             message = message.copy(queue_name=dq_name(canonical_queue_name), options={"eta": current_millis() + delay})
         # Validate before any middleware sees the message: a bad payload has no side effect.
+        self._validate_priority(message)
         self._encode(message)
         # Registers the queue (no network) so a worker sharing this broker consumes it.
         self.declare_queue(canonical_queue_name)
-        self.emit_before("enqueue", message, delay)
         try:
+            self.emit_before("enqueue", message, delay)
             # Encoded again: before_enqueue hooks may have added options (trace context).
             self._insert(message, self._encode(message, warn=False))
         except BaseException as error:
@@ -181,6 +186,17 @@ class OutboxBroker(RabbitmqBroker):
             raise
         self.emit_after("enqueue", message, delay)
         return message
+
+    @staticmethod
+    def _validate_priority(message: Message[Any]) -> None:
+        priority = message.options.get("broker_priority")
+        if priority is not None and (
+            isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 255
+        ):
+            raise PayloadError(
+                f"message {message.message_id!r} for actor {message.actor_name!r} has broker_priority={priority!r}; "
+                "RabbitMQ priorities are ints from 0 to 255 (and queues need max_priority= on the broker)"
+            )
 
     def _emit_enqueue_failed(self, message: Message[Any], delay: int | None, error: BaseException) -> None:
         # Dramatiq has no signal for a failed enqueue; middleware that opened something in
@@ -318,6 +334,21 @@ _processing: contextvars.ContextVar[MessageProxy | None] = contextvars.ContextVa
 
 class _TrackProcessing(Middleware):
     """Remembers the message a worker thread is processing, so a failed outbox write can fail it."""
+
+    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
+        if not isinstance(broker, OutboxBroker):
+            return
+        threads = int(getattr(worker, "worker_threads", 0) or 0)
+        size = int(getattr(broker.database.pool, "max_size", 0) or 0)
+        if size and size < threads + 2:
+            logger.warning(
+                "the Postgres pool holds %d connections for %d worker threads; transactional Idempotency holds "
+                "one per running job and the relay and dead letters need more: build the broker with "
+                "pool_max_size=%d (or pass a larger pool=)",
+                size,
+                threads,
+                threads + 2,
+            )
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         _processing.set(message)

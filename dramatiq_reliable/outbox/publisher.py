@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import struct
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -176,24 +177,25 @@ class Publisher:
             for index, publication in enumerate(publications, 1):
                 if channel.is_closed:
                     break
-                properties = pika.BasicProperties(
-                    delivery_mode=2, priority=publication.priority, message_id=publication.message_id
-                )
-                try:
-                    frame = pika.spec.Basic.Publish(exchange="", routing_key=publication.routing_key, mandatory=True)
-                    frame.encode()  # a routing key pika cannot encode fails here, alone, not mid-stream
-                except (ValueError, TypeError, pika.exceptions.ShortStringTooLong) as error:
-                    outcome.failed[publication.key] = f"cannot publish: {_describe(error)}"
-                    continue
                 self._next_tag += 1
                 self._pending[self._next_tag] = publication
-                channel.basic_publish(
-                    exchange="",
-                    routing_key=publication.routing_key,
-                    body=publication.body,
-                    properties=properties,
-                    mandatory=True,
-                )
+                try:
+                    channel.basic_publish(
+                        exchange="",
+                        routing_key=publication.routing_key,
+                        body=publication.body,
+                        properties=pika.BasicProperties(
+                            delivery_mode=2, priority=publication.priority, message_id=publication.message_id
+                        ),
+                        mandatory=True,
+                    )
+                except (ValueError, TypeError, struct.error, pika.exceptions.ShortStringTooLong) as error:
+                    # pika marshals all frames before writing any, so a value it cannot encode
+                    # (a routing key over 255 bytes, a priority over 255) fails alone, mid-stream.
+                    del self._pending[self._next_tag]
+                    self._next_tag -= 1
+                    outcome.failed[publication.key] = f"cannot publish: {_describe(error)}"
+                    continue
                 if index % _FLUSH_EVERY == 0:
                     connection.process_data_events(0)
             deadline = time.monotonic() + self._confirm_timeout_s

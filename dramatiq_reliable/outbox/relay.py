@@ -241,7 +241,7 @@ class Relay:
             if not self._checked_schema:
                 schema.ensure_ready(conn, schema=self.schema, required=OUTBOX_SCHEMA_VERSION, feature="outbox")
                 self._checked_schema = True
-            rows = conn.execute(_sql.query("outbox_claim", self.schema), (self.batch_size,)).fetchall()
+            rows = _sql.tuples(conn).execute(_sql.query("outbox_claim", self.schema), (self.batch_size,)).fetchall()
             if not rows:
                 return RelayPass(0, 0)
             publications = [
@@ -270,10 +270,12 @@ class Relay:
         ids = list(failed)
         errors = [failed[i][:_MAX_ERROR_CHARS] for i in ids]
         attempts = dict(
-            conn.execute(
+            _sql.tuples(conn)
+            .execute(
                 _sql.query("outbox_record_failure", self.schema),
                 {"ids": ids, "errors": errors, "base_s": self.backoff_min_s, "max_s": self.row_backoff_max_s},
-            ).fetchall()
+            )
+            .fetchall()
         )
         by_id = {row[0]: row for row in rows}
         for row_id, error in zip(ids, errors, strict=True):
@@ -292,9 +294,13 @@ class Relay:
 
     def purge(self, *, older_than_ms: int | None = None, batch: int = 5000) -> int:
         """Delete published rows older than ``older_than_ms`` (default: ``retention_ms``)."""
-        return purge_published(
-            self.database, schema=self.schema, older_than_ms=older_than_ms or self.retention_ms or 0, batch=batch
-        )
+        if older_than_ms is None:
+            if self.retention_ms is None:
+                raise ConfigurationError(
+                    "this relay keeps published rows (retention_ms=None); pass older_than_ms= to purge()"
+                )
+            older_than_ms = self.retention_ms
+        return purge_published(self.database, schema=self.schema, older_than_ms=older_than_ms, batch=batch)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -307,7 +313,11 @@ class Relay:
         return self._stop.is_set()
 
     def run(self) -> None:
-        """Relay until :meth:`stop` is called.  Never raises for an outage of Postgres or RabbitMQ."""
+        """Relay until :meth:`stop` is called.
+
+        Never raises: outages of Postgres or RabbitMQ, and a schema not migrated yet (a worker
+        booted before a rolling deploy's migration), are logged and waited out with backoff.
+        """
         failures = 0
         next_purge = time.monotonic()
         logger.info("outbox relay started on schema %r", self.schema)
@@ -340,8 +350,14 @@ class Relay:
                     )
                     self._close_listener()
                     self._stop.wait(delay)
-                except SchemaNotReady:
-                    raise
+                except SchemaNotReady as error:
+                    # A worker may boot before a rolling deploy ran its migrations: keep checking.
+                    failures += 1
+                    delay = self._backoff(failures)
+                    logger.error("outbox relay waiting for the schema: %s; checking again in %.1fs", error, delay)
+                    self._checked_schema = False
+                    self._close_listener()
+                    self._stop.wait(delay)
                 except Exception:
                     # Never die quietly: a relay that stops leaves work stranded in the outbox.
                     failures += 1
@@ -394,6 +410,8 @@ def purge_published(database: Database, *, schema: str, older_than_ms: int, batc
     """Delete published outbox rows older than ``older_than_ms``, in batches; return the count."""
     if isinstance(older_than_ms, bool) or not isinstance(older_than_ms, int) or older_than_ms < 0:
         raise ConfigurationError(f"older_than_ms must be a non-negative int, got {older_than_ms!r}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ConfigurationError(f"batch must be a positive int, got {batch!r}")
     total = 0
     while True:
         with database.connection() as conn, conn.transaction():
@@ -418,6 +436,18 @@ class WorkerRelay(Middleware):
     """
 
     def __init__(self, **relay_options: Any) -> None:
+        for taken in ("rabbitmq_url", "parameters", "database_url", "pool", "database"):
+            if taken in relay_options:
+                raise ConfigurationError(
+                    f"WorkerRelay takes {taken}= from the OutboxBroker; drop it and configure the broker instead"
+                )
+        try:
+            # Validate now, where the mistake is made: at worker boot Dramatiq would only log it.
+            Relay(rabbitmq_url="amqp://localhost", database_url="postgresql://localhost", **relay_options)
+        except TypeError as error:
+            raise ConfigurationError(
+                f"WorkerRelay got an unknown option: {error}; see Relay for the options"
+            ) from error
         self.relay_options = relay_options
         self.relay: Relay | None = None
         self._thread: threading.Thread | None = None
@@ -429,17 +459,8 @@ class WorkerRelay(Middleware):
             )
             return
         self.relay = Relay.from_broker(broker, **self.relay_options)
-        self._thread = threading.Thread(
-            target=self._run, args=(self.relay,), name="dramatiq-reliable-relay", daemon=True
-        )
+        self._thread = threading.Thread(target=self.relay.run, name="dramatiq-reliable-relay", daemon=True)
         self._thread.start()
-
-    @staticmethod
-    def _run(relay: Relay) -> None:
-        try:
-            relay.run()
-        except SchemaNotReady as error:
-            logger.critical("the outbox relay in this worker stopped: %s", error)
 
     def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
         if self.relay is not None and self._thread is not None:

@@ -378,6 +378,28 @@ def test_an_actor_that_swallows_a_database_error_is_failed_not_acked(
     assert _count(db, effects) == 0 and _keys(db, db_schema) == []
 
 
+def test_a_job_whose_commit_failed_is_dead_lettered_with_the_reason(broker, queue_name, worker, db, db_schema, effects):
+    from dramatiq_reliable import DeadLetters
+
+    _install(broker)
+    broker.add_middleware(DeadLetters())
+
+    @dramatiq.actor(queue_name=queue_name, broker=broker)
+    def careless() -> None:
+        with contextlib.suppress(psycopg.errors.DivisionByZero):
+            connection().execute("SELECT 1 / 0")
+
+    worker.start()
+    careless.send()
+    table = sql.Identifier(db_schema, "dead_letters")
+    row = wait_for(
+        lambda: db.execute(sql.SQL("SELECT error_type, error_message FROM {}").format(table)).fetchone(),
+        message="no dead letter",
+    )
+    assert row[0].endswith("JobCommitFailed")
+    assert "did not commit" in row[1]
+
+
 def test_a_missing_table_fails_closed_and_names_the_migrate_command(
     broker, queue_name, worker, db_schema, seen, rabbit
 ):

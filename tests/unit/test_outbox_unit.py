@@ -112,3 +112,28 @@ def test_cli_durations(text, ms):
 def test_cli_rejects_a_garbage_duration_with_an_example():
     with pytest.raises(argparse.ArgumentTypeError, match="e.g. 30s"):
         _duration_ms("soon")
+
+
+def test_worker_relay_options_are_checked_where_they_are_written():
+    from dramatiq_reliable import WorkerRelay
+
+    with pytest.raises(ConfigurationError, match="batch_size must be an int >= 1"):
+        WorkerRelay(batch_size=0)
+    with pytest.raises(ConfigurationError, match="unknown option"):
+        WorkerRelay(batchsize=10)
+    with pytest.raises(ConfigurationError, match="from the OutboxBroker"):
+        WorkerRelay(database_url="postgresql://x")
+
+
+def test_purge_refuses_a_batch_that_would_never_finish():
+    from dramatiq_reliable.outbox import purge_published
+
+    database = Database(url="postgresql://127.0.0.1:1/x")
+    with pytest.raises(ConfigurationError, match="batch must be a positive int"):
+        purge_published(database, schema="s", older_than_ms=0, batch=0)
+
+
+def test_a_relay_that_keeps_rows_purges_only_when_told_how_old():
+    relay = Relay(rabbitmq_url="amqp://127.0.0.1:1", database_url="postgresql://127.0.0.1:1/x", retention_ms=None)
+    with pytest.raises(ConfigurationError, match="pass older_than_ms="):
+        relay.purge()
