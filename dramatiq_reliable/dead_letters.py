@@ -109,7 +109,6 @@ RESET_OPTIONS = ("retries", "traceback", "requeue_timestamp", "retry_decision", 
 State = Literal["dead", "replayed", "discarded"]
 _STATES = ("dead", "replayed", "discarded")
 _CHANNEL_SUFFIX = ".dead_letters"
-_MAX_IDENTIFIER_BYTES = 63
 _MAX_ERROR_MESSAGE_CHARS = 8000
 _MAX_NAME_CHARS = 500
 _DEFAULT_BATCH = 5000
