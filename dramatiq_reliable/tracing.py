@@ -44,7 +44,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from dramatiq.broker import Broker, MessageProxy
@@ -64,7 +64,7 @@ from opentelemetry.util.types import AttributeValue
 from . import events
 from .errors import ConfigurationError
 from .outbox.broker import OutboxBroker
-from .status import Health, HealthMonitor, QueueDepths
+from .status import Health, HealthMonitor, QueueDepths, QueueHealth
 
 __all__ = [
     "PREVIOUS_ATTEMPT_KEY",
@@ -811,35 +811,27 @@ class Tracing(Middleware):
             ttl_s=self.health_cache_s,
         )
 
-    def _observe_backlog(self, options: CallbackOptions) -> Iterable[Observation]:
+    def _observe_postgres(self, read: Callable[[QueueHealth], float | int | None]) -> list[Observation]:
+        """One observation per queue of a number read from Postgres (none while it is unreachable)."""
         health = self._health()
         if health is None or health.postgres_error:
             return []
         return [
-            Observation(item.outbox_backlog, {MESSAGING_DESTINATION_NAME: item.queue})
+            Observation(value, {MESSAGING_DESTINATION_NAME: item.queue})
             for item in health.queues
-            if item.outbox_backlog is not None
+            if (value := read(item)) is not None
         ]
+
+    def _observe_backlog(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._observe_postgres(lambda item: item.outbox_backlog)
 
     def _observe_oldest(self, options: CallbackOptions) -> Iterable[Observation]:
-        health = self._health()
-        if health is None or health.postgres_error:
-            return []
-        return [
-            Observation(item.outbox_oldest_age_s or 0.0, {MESSAGING_DESTINATION_NAME: item.queue})
-            for item in health.queues
-            if item.outbox_backlog is not None
-        ]
+        return self._observe_postgres(
+            lambda item: None if item.outbox_backlog is None else (item.outbox_oldest_age_s or 0.0)
+        )
 
     def _observe_dead_letters(self, options: CallbackOptions) -> Iterable[Observation]:
-        health = self._health()
-        if health is None or health.postgres_error:
-            return []
-        return [
-            Observation(item.dead_letters, {MESSAGING_DESTINATION_NAME: item.queue})
-            for item in health.queues
-            if item.dead_letters is not None
-        ]
+        return self._observe_postgres(lambda item: item.dead_letters)
 
     def _observe_depth(self, options: CallbackOptions) -> Iterable[Observation]:
         health = self._health()

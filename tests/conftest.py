@@ -16,7 +16,12 @@ import pika
 import psycopg
 import pytest
 from dramatiq.common import dq_name, xq_name
-from support import Rabbit
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from support import Otel, Rabbit
 
 from dramatiq_reliable import OutboxBroker, schema
 
@@ -104,3 +109,15 @@ def worker(broker: OutboxBroker) -> Iterator[dramatiq.Worker]:
     instance = dramatiq.Worker(broker, worker_timeout=100, worker_threads=2)
     yield instance
     instance.stop()
+
+
+@pytest.fixture
+def otel() -> Iterator[Otel]:
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader])
+    yield Otel(tracer_provider, exporter, meter_provider, reader)
+    tracer_provider.shutdown()
+    meter_provider.shutdown()

@@ -1,8 +1,9 @@
-"""Test support: a TCP proxy the test owns (for outages) and a RabbitMQ reader."""
+"""Test support: a TCP proxy the test owns (for outages), a RabbitMQ reader, OpenTelemetry in memory."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import socket
 import threading
@@ -11,6 +12,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pika
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 
 class TcpProxy:
@@ -144,3 +150,36 @@ def running(thread_target: Any, stop: Any) -> Iterator[threading.Thread]:
     finally:
         stop()
         thread.join(timeout=30)
+
+
+@dataclasses.dataclass
+class Otel:
+    tracer_provider: TracerProvider
+    exporter: InMemorySpanExporter
+    meter_provider: MeterProvider
+    reader: InMemoryMetricReader
+
+    def spans(self, name: str | None = None, kind: SpanKind | None = None) -> list[ReadableSpan]:
+        return [
+            span
+            for span in self.exporter.get_finished_spans()
+            if (name is None or span.name == name) and (kind is None or span.kind is kind)
+        ]
+
+    def points(self, name: str) -> list[Any]:
+        data = self.reader.get_metrics_data()
+        return [
+            point
+            for resource in (data.resource_metrics if data else [])
+            for scope in resource.scope_metrics
+            for metric in scope.metrics
+            if metric.name == name
+            for point in metric.data.data_points
+        ]
+
+    def total(self, name: str, **attributes: Any) -> float:
+        return sum(
+            point.value if hasattr(point, "value") else point.count
+            for point in self.points(name)
+            if all(point.attributes.get(key) == value for key, value in attributes.items())
+        )

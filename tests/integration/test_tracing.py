@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -12,12 +11,9 @@ import psycopg
 import pytest
 from dramatiq.middleware import Middleware
 from opentelemetry import trace
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind, StatusCode
+from support import Otel
 
 from dramatiq_reliable import (
     ClassifiedRetries,
@@ -33,51 +29,6 @@ from dramatiq_reliable.testing import drain_outbox, wait_for
 from dramatiq_reliable.tracing import TRACE_CONTEXT_KEY, Tracing
 
 pytestmark = pytest.mark.integration
-
-
-@dataclasses.dataclass
-class Otel:
-    tracer_provider: TracerProvider
-    exporter: InMemorySpanExporter
-    meter_provider: MeterProvider
-    reader: InMemoryMetricReader
-
-    def spans(self, name: str | None = None, kind: SpanKind | None = None) -> list[ReadableSpan]:
-        return [
-            span
-            for span in self.exporter.get_finished_spans()
-            if (name is None or span.name == name) and (kind is None or span.kind is kind)
-        ]
-
-    def points(self, name: str) -> list[Any]:
-        data = self.reader.get_metrics_data()
-        return [
-            point
-            for resource in (data.resource_metrics if data else [])
-            for scope in resource.scope_metrics
-            for metric in scope.metrics
-            if metric.name == name
-            for point in metric.data.data_points
-        ]
-
-    def total(self, name: str, **attributes: Any) -> float:
-        return sum(
-            point.value if hasattr(point, "value") else point.count
-            for point in self.points(name)
-            if all(point.attributes.get(key) == value for key, value in attributes.items())
-        )
-
-
-@pytest.fixture
-def otel() -> Iterator[Otel]:
-    exporter = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
-    reader = InMemoryMetricReader()
-    meter_provider = MeterProvider(metric_readers=[reader])
-    yield Otel(tracer_provider, exporter, meter_provider, reader)
-    tracer_provider.shutdown()
-    meter_provider.shutdown()
 
 
 @pytest.fixture

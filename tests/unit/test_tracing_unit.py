@@ -15,58 +15,13 @@ import pytest
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import Middleware, Retries, SkipMessage
 from opentelemetry import trace
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind, StatusCode
+from support import Otel
 
 from dramatiq_reliable import ConfigurationError, events
 from dramatiq_reliable.retries import ClassifiedRetries
 from dramatiq_reliable.tracing import PREVIOUS_ATTEMPT_KEY, TRACE_CONTEXT_KEY, TRACE_ORIGIN_KEY, Tracing
-
-
-@dataclasses.dataclass
-class Otel:
-    tracer_provider: TracerProvider
-    exporter: InMemorySpanExporter
-    meter_provider: MeterProvider
-    reader: InMemoryMetricReader
-
-    def spans(self, name: str | None = None) -> list[ReadableSpan]:
-        found = list(self.exporter.get_finished_spans())
-        return [span for span in found if name is None or span.name == name]
-
-    def metric(self, name: str) -> list[Any]:
-        """Data points of metric ``name`` (empty if it never recorded)."""
-        data = self.reader.get_metrics_data()
-        points: list[Any] = []
-        for resource in data.resource_metrics if data else []:
-            for scope in resource.scope_metrics:
-                for metric in scope.metrics:
-                    if metric.name == name:
-                        points.extend(metric.data.data_points)
-        return points
-
-    def total(self, name: str, **attributes: Any) -> float:
-        return sum(
-            point.value if hasattr(point, "value") else point.count
-            for point in self.metric(name)
-            if all(point.attributes.get(key) == value for key, value in attributes.items())
-        )
-
-
-@pytest.fixture
-def otel() -> Iterator[Otel]:
-    exporter = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
-    reader = InMemoryMetricReader()
-    meter_provider = MeterProvider(metric_readers=[reader])
-    yield Otel(tracer_provider, exporter, meter_provider, reader)
-    tracer_provider.shutdown()
-    meter_provider.shutdown()
 
 
 @pytest.fixture
@@ -551,7 +506,7 @@ def test_closing_stops_listening_to_events(otel):
 
 def test_a_stub_broker_has_no_health_gauges_and_reading_them_does_nothing(otel, tracing):
     make_broker(tracing)
-    assert otel.metric("dramatiq_reliable.outbox.backlog") == []
+    assert otel.points("dramatiq_reliable.outbox.backlog") == []
 
 
 @pytest.mark.parametrize(
