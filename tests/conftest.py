@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import dramatiq
@@ -21,7 +21,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from support import Otel, Rabbit
+from support import Otel, Rabbit, status_server
 
 from dramatiq_reliable import OutboxBroker, schema
 
@@ -121,3 +121,17 @@ def otel() -> Iterator[Otel]:
     yield Otel(tracer_provider, exporter, meter_provider, reader)
     tracer_provider.shutdown()
     meter_provider.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[Callable[..., None]]:
+    """``http(status, retry_after=None)``: a real request that raises requests' real HTTPError."""
+    import requests
+
+    with status_server() as base:
+
+        def call(status: int, retry_after: str | None = None) -> None:
+            query = f"?retry_after={retry_after}" if retry_after is not None else ""
+            requests.get(f"{base}/status/{status}{query}", timeout=5).raise_for_status()
+
+        yield call

@@ -9,7 +9,9 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 import pika
 from opentelemetry.sdk.metrics import MeterProvider
@@ -183,3 +185,30 @@ class Otel:
             for point in self.points(name)
             if all(point.attributes.get(key) == value for key, value in attributes.items())
         )
+
+
+class _StatusHandler(BaseHTTPRequestHandler):
+    """``GET /status/503?retry_after=2`` answers 503 with ``Retry-After: 2``."""
+
+    def do_GET(self) -> None:
+        parsed = urlparse(self.path)
+        self.send_response(int(parsed.path.rsplit("/", 1)[-1]))
+        for value in parse_qs(parsed.query).get("retry_after", []):
+            self.send_header("Retry-After", value)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def status_server() -> Iterator[str]:
+    """A local HTTP server answering any status asked for; yields its base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _StatusHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

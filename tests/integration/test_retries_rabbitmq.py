@@ -7,17 +7,13 @@ local HTTP server to get real ``requests`` errors.  Conditions are polled, never
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlparse
 
 import dramatiq
 import pytest
-import requests
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.common import xq_name
 from support import Rabbit
@@ -27,37 +23,6 @@ from dramatiq_reliable.errors import Unrecoverable
 from dramatiq_reliable.retries import ClassifiedRetries, RetryGaveUp, RetryScheduled, build_middleware
 
 pytestmark = pytest.mark.integration
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        parsed = urlparse(self.path)
-        self.send_response(int(parsed.path.rsplit("/", 1)[-1]))
-        for value in parse_qs(parsed.query).get("retry_after", []):
-            self.send_header("Retry-After", value)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[Callable[..., None]]:
-    """``http(status, retry_after=None)``: a real request that raises requests' real HTTPError."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{server.server_address[1]}"
-
-    def call(status: int, retry_after: str | None = None) -> None:
-        query = f"?retry_after={retry_after}" if retry_after is not None else ""
-        requests.get(f"{base}/status/{status}{query}", timeout=5).raise_for_status()
-
-    try:
-        yield call
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def wait_for(condition: Callable[[], bool], *, timeout_s: float = 15.0, what: str = "condition") -> None:

@@ -10,11 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlparse
 
 import dramatiq
 import psycopg.errors
@@ -42,37 +39,6 @@ from dramatiq_reliable.retries import (
 # --------------------------------------------------------------------------------------------
 # Fixtures
 # --------------------------------------------------------------------------------------------
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        parsed = urlparse(self.path)
-        self.send_response(int(parsed.path.rsplit("/", 1)[-1]))
-        for value in parse_qs(parsed.query).get("retry_after", []):
-            self.send_header("Retry-After", value)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[Callable[..., None]]:
-    """``http(status, retry_after=None)`` makes a real request and raises requests' real HTTPError."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{server.server_address[1]}"
-
-    def call(status: int, retry_after: str | None = None) -> None:
-        query = f"?retry_after={retry_after}" if retry_after is not None else ""
-        requests.get(f"{base}/status/{status}{query}", timeout=5).raise_for_status()
-
-    try:
-        yield call
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture
