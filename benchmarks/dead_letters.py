@@ -183,7 +183,7 @@ def main() -> None:
     schema_name = f"bench_dl_{uuid.uuid4().hex[:10]}"
     migrate(DATABASE_URL, schema=schema_name)
     table = sql.Identifier(schema_name, "dead_letters")
-    store = DeadLetterStore(database_url=DATABASE_URL, schema=schema_name, batch_size=args.batch)
+    store = DeadLetterStore(database=DATABASE_URL, schema=schema_name, batch_size=args.batch)
     conn = psycopg.connect(DATABASE_URL, autocommit=True)
     try:
         # Two sets of rows to replay: an incident (one bug, one hour, consecutive rows: what a bulk

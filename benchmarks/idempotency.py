@@ -44,8 +44,7 @@ from dramatiq.message import Message
 from dramatiq.middleware import Callbacks
 from psycopg import sql
 
-from dramatiq_reliable import Database, migrate
-from dramatiq_reliable.idempotency import Idempotency, connection
+from dramatiq_reliable import Database, Idempotency, job_connection, migrate
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -88,7 +87,7 @@ def run_scenario(scenario: str, *, n: int, threads: int, schema: str) -> float:
     idempotency = None
     if with_idempotency:
         mode = "record" if scenario == "noop_record" else "transactional"
-        idempotency = Idempotency(database_url=DATABASE_URL, schema=schema, default_mode=mode)
+        idempotency = Idempotency(database=DATABASE_URL, schema=schema, default_mode=mode)
         broker.add_middleware(idempotency, before=Callbacks)
     # The baseline actor gets the same pool shape the middleware uses (Database's default).
     database = Database(url=DATABASE_URL)
@@ -106,7 +105,7 @@ def run_scenario(scenario: str, *, n: int, threads: int, schema: str) -> float:
     elif scenario == "db_with":
 
         def fn(i: int) -> None:
-            connection().execute(insert, (i,))
+            job_connection().execute(insert, (i,))
             done.add()
 
     else:

@@ -188,7 +188,7 @@ def main() -> None:
     schema = f"bench_{uuid.uuid4().hex[:8]}"
     queue = f"bench_{uuid.uuid4().hex[:8]}"
     migrate(DATABASE_URL, schema=schema)
-    broker = OutboxBroker(url=RABBITMQ_URL, database_url=DATABASE_URL, schema=schema)
+    broker = OutboxBroker(url=RABBITMQ_URL, database=DATABASE_URL, schema=schema)
     actor = dramatiq.actor(lambda n: None, actor_name="bench_actor", queue_name=queue, broker=broker)
     admin = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL)).channel()
     results: dict[str, Any] = {}

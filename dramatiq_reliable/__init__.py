@@ -1,12 +1,24 @@
-"""dramatiq-reliable: background jobs on Dramatiq that end done, retrying, or loudly failed."""
+"""dramatiq-reliable: background jobs on Dramatiq that end done, retrying, or loudly failed.
 
-from . import events, idempotency
+Everything a user needs is importable from here; ``__all__`` is the public surface (the
+sub-modules stay importable for their less common names, such as the event records).
+"""
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
 from .classify import Decision, classify
 from .database import Database
 from .dead_letters import DeadLetter, DeadLetterFilter, DeadLetters, DeadLetterStore, ReplayResult
 from .errors import (
+    ActorOptionError,
+    BrokerUnavailable,
     ConfigurationError,
     DatabaseUnavailable,
+    IdempotencyConflict,
+    IdempotencyKeyError,
+    JobCommitFailed,
+    NoCurrentJob,
     NotBound,
     OutboxWriteError,
     PayloadError,
@@ -14,12 +26,15 @@ from .errors import (
     SchemaNotReady,
     Unrecoverable,
 )
-from .idempotency import Idempotency, IdempotencyConflict, IdempotencyKeyError, current_job, external_key
-from .outbox import OutboxBroker, Relay, WorkerRelay, bind, current_connection
+from .idempotency import Idempotency, current_job, external_key, job_connection
+from .outbox import OutboxBroker, Relay, RelayOptions, WorkerRelay, bind
 from .retries import ClassifiedRetries, build_middleware, no_delays
 from .schema import migrate, migration_sql
+from .tracing import Tracing
 
 __all__ = [
+    "ActorOptionError",
+    "BrokerUnavailable",
     "ClassifiedRetries",
     "ConfigurationError",
     "Database",
@@ -32,27 +47,32 @@ __all__ = [
     "Idempotency",
     "IdempotencyConflict",
     "IdempotencyKeyError",
+    "JobCommitFailed",
+    "NoCurrentJob",
     "NotBound",
     "OutboxBroker",
     "OutboxWriteError",
     "PayloadError",
     "Relay",
+    "RelayOptions",
     "ReliableError",
     "ReplayResult",
     "SchemaNotReady",
+    "Tracing",
     "Unrecoverable",
     "WorkerRelay",
     "bind",
     "build_middleware",
     "classify",
-    "current_connection",
     "current_job",
-    "events",
     "external_key",
-    "idempotency",
+    "job_connection",
     "migrate",
     "migration_sql",
     "no_delays",
 ]
 
-__version__ = "0.1.0.dev0"
+try:
+    __version__ = _version("dramatiq-reliable")
+except PackageNotFoundError:  # pragma: no cover - running from a checkout that was never installed
+    __version__ = "0+unknown"

@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from dramatiq.errors import RateLimitExceeded, Retry
 
+from ._util import type_name as _type_name
 from .errors import ConfigurationError, Unrecoverable
 
 __all__ = [
@@ -372,11 +373,6 @@ def exception_chain(exception: BaseException) -> Iterator[BaseException]:
         members = _attr(current, "exceptions")
         if isinstance(members, (tuple, list)):
             queue.extend(member for member in members if isinstance(member, BaseException))
-
-
-def _type_name(cls: type) -> str:
-    module = cls.__module__
-    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
 def _mro_keys(exception: BaseException) -> set[tuple[str, str]]:

@@ -1,8 +1,9 @@
 """The Postgres connection pool a process shares between the broker, the relay and the middleware.
 
 A :class:`Database` opens its pool on first use, not at construction, so building a broker at
-import time does no I/O.  Pass your own ``psycopg_pool.ConnectionPool`` to share the app's pool;
-the ``Database`` then never closes it.
+import time does no I/O.  Every constructor of this package that needs Postgres takes one
+``database=`` argument: a URL, an existing ``psycopg_pool.ConnectionPool`` (the app's own, which
+is then never closed by us), or a :class:`Database` to share between several parts.
 """
 
 from __future__ import annotations
@@ -10,14 +11,17 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Union
 
 import psycopg
 from psycopg_pool import ConnectionPool
 
 from .errors import ConfigurationError
 
-__all__ = ["Database"]
+__all__ = ["Database", "DatabaseLike"]
+
+#: What a ``database=`` argument accepts.
+DatabaseLike = Union[str, "ConnectionPool[Any]", "Database"]
 
 
 class Database:
@@ -27,7 +31,7 @@ class Database:
       url: a libpq connection string or URL (``postgresql://user@host/db``).
       pool: an existing pool to use instead; ``url`` must then be omitted.
       max_size: the pool's maximum size when this object creates it.
-      timeout_s: how long to wait for a connection from the pool before failing.
+      timeout_ms: how long to wait for a connection from the pool before failing.
     """
 
     def __init__(
@@ -36,25 +40,44 @@ class Database:
         url: str | None = None,
         pool: ConnectionPool[Any] | None = None,
         max_size: int = 10,
-        timeout_s: float = 10.0,
+        timeout_ms: int = 10_000,
     ) -> None:
         if (url is None) == (pool is None):
             raise ConfigurationError(
-                "pass exactly one of database_url= and pool=; for example database_url='postgresql://app@localhost/app'"
+                "pass exactly one of url= and pool= to Database; for example Database(url='postgresql://app@localhost/app')"
             )
         if url is not None and (not isinstance(url, str) or not url.strip()):
-            raise ConfigurationError(f"database_url must be a non-empty string, got {type(url).__name__!r}")
-        if not isinstance(max_size, int) or max_size < 1:
+            raise ConfigurationError(f"url must be a non-empty string, got {type(url).__name__!r}")
+        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
             raise ConfigurationError(f"max_size must be a positive int, got {max_size!r}")
-        if timeout_s <= 0:
-            raise ConfigurationError(f"timeout_s must be positive, got {timeout_s!r}")
+        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms <= 0:
+            raise ConfigurationError(f"timeout_ms must be a positive int of milliseconds, got {timeout_ms!r}")
         self._owned = pool is None
-        self._timeout_s = timeout_s
+        self._timeout_s = timeout_ms / 1000
         self._lock = threading.Lock()
         self._opened = not self._owned
         self.pool: ConnectionPool[Any] = pool or ConnectionPool(
-            url or "", min_size=1, max_size=max_size, open=False, name="dramatiq-reliable", timeout=timeout_s
+            url or "", min_size=1, max_size=max_size, open=False, name="dramatiq-reliable", timeout=self._timeout_s
         )
+
+    @classmethod
+    def of(cls, value: object, *, argument: str = "database", max_size: int = 10, timeout_ms: int = 10_000) -> Database:
+        """``value`` as a :class:`Database`: a URL or a pool is wrapped, a ``Database`` is shared as it is."""
+        if isinstance(value, Database):
+            return value
+        if isinstance(value, ConnectionPool):
+            return cls(pool=value, max_size=max_size, timeout_ms=timeout_ms)
+        if isinstance(value, str):
+            return cls(url=value, max_size=max_size, timeout_ms=timeout_ms)
+        raise ConfigurationError(
+            f"{argument}= must be a Postgres URL, a psycopg_pool.ConnectionPool or a dramatiq_reliable.Database, "
+            f"got {type(value).__name__!r}; for example {argument}='postgresql://app@localhost/app'"
+        )
+
+    @property
+    def owned(self) -> bool:
+        """Whether this object created its pool (and so closes it)."""
+        return self._owned
 
     @property
     def conninfo(self) -> str:
@@ -62,18 +85,22 @@ class Database:
         return str(self.pool.conninfo)
 
     @contextlib.contextmanager
-    def connection(self, *, timeout_s: float | None = None) -> Iterator[psycopg.Connection[Any]]:
-        """Borrow a connection (waiting at most ``timeout_s``, default the pool's timeout).
+    def connection(self, *, timeout_ms: int | None = None) -> Iterator[psycopg.Connection[Any]]:
+        """Borrow a connection (waiting at most ``timeout_ms``, default the pool's timeout).
 
         A transaction begun on it must end inside the block.
         """
+        self.open()
+        with self.pool.connection(timeout=timeout_ms / 1000 if timeout_ms else self._timeout_s) as conn:
+            yield conn
+
+    def open(self) -> None:
+        """Open the pool now if this object created it (without waiting for a connection)."""
         if not self._opened:
             with self._lock:
                 if not self._opened:
                     self.pool.open(wait=False)
                     self._opened = True
-        with self.pool.connection(timeout=timeout_s or self._timeout_s) as conn:
-            yield conn
 
     def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
         """A new connection outside the pool (for LISTEN, which must hold one connection)."""

@@ -14,7 +14,7 @@ replay through the outbox (the dead letter is marked in the same transaction as 
 so a replay is never lost and never doubled), discard, and purge past retention.  The
 ``dramatiq-reliable dead-letters`` command is a thin layer over it.
 
->>> broker = OutboxBroker(url=..., database_url=..., middleware=[..., DeadLetters(), ClassifiedRetries()])
+>>> broker = OutboxBroker(url=..., database=..., middleware=[..., DeadLetters(), ClassifiedRetries()])
 ... # doctest: +SKIP
 >>> store = DeadLetterStore.from_broker(broker)                          # doctest: +SKIP
 >>> store.replay(where=DeadLetterFilter(actor_name="send_receipt"))      # doctest: +SKIP
@@ -52,13 +52,15 @@ from dramatiq.common import q_name, xq_name
 from dramatiq.errors import ActorNotFound
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware, SkipMessage
-from psycopg_pool import ConnectionPool
 
 from . import _sql, events, schema
+from ._util import check_ms as _check_ms
+from ._util import first_line as _first_line
+from ._util import type_name as _type_name
 from .classify import http_status_of
-from .database import Database
+from .database import Database, DatabaseLike
 from .errors import ConfigurationError
-from .outbox.binding import current_connection
+from .outbox.binding import bound_connection
 from .outbox.broker import OutboxBroker
 
 __all__ = [
@@ -69,20 +71,19 @@ __all__ = [
     "RESET_OPTIONS",
     "Culprit",
     "DeadLetter",
+    "DeadLetterCaptureFailed",
+    "DeadLetterCaptured",
     "DeadLetterCount",
     "DeadLetterFilter",
     "DeadLetterGroup",
     "DeadLetterPage",
     "DeadLetterStore",
-    "DeadLetterStoreFailed",
-    "DeadLetterStored",
     "DeadLetters",
     "DeadLettersDiscarded",
     "DeadLettersReplayed",
     "DiscardResult",
     "PurgeResult",
     "ReplayResult",
-    "error_type_name",
     "find_culprit",
     "fingerprint",
     "format_traceback",
@@ -317,7 +318,7 @@ class PurgeResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class DeadLetterStored(events.Event):
+class DeadLetterCaptured(events.Event):
     """A failed message was written to the dead letters (``captures`` > 1: a redelivered
     message that was already dead refreshed its row)."""
 
@@ -335,7 +336,7 @@ class DeadLetterStored(events.Event):
 
 
 @dataclasses.dataclass(frozen=True)
-class DeadLetterStoreFailed(events.Event):
+class DeadLetterCaptureFailed(events.Event):
     """A failed message could not be written to Postgres; it is only in RabbitMQ's ``.XQ``.
 
     The middleware logs this itself at CRITICAL with the whole story, so the event's own log
@@ -391,14 +392,6 @@ def notify_channel(schema: str) -> str:
     63-byte identifiers (LISTEN would silently truncate a longer one and never hear a thing).
     """
     return f"{_sql.validate_schema(schema)}{_CHANNEL_SUFFIX}"
-
-
-def error_type_name(error_type: type[BaseException]) -> str:
-    """``ValueError`` for builtins, ``package.module.Name`` otherwise: unambiguous, and stable
-    across hosts (unlike a file path)."""
-    module = getattr(error_type, "__module__", None) or ""
-    qualname = getattr(error_type, "__qualname__", None) or error_type.__name__
-    return qualname if module in ("builtins", "") else f"{module}.{qualname}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -686,7 +679,7 @@ def _describe_failure(
     if http_status is None:
         http_status = _http_status_of(exception)
 
-    error_type = error_type_name(type(exception))[:_MAX_NAME_CHARS] if exception is not None else None
+    error_type = _type_name(type(exception))[:_MAX_NAME_CHARS] if exception is not None else None
     culprit = find_culprit(exception)
     message_json, exact = _json_text(data)
     replay_of = options.get("replay_of")
@@ -729,8 +722,8 @@ class DeadLetterStore:
     """Reads and maintains the ``dead_letters`` table: list, show, group, replay, discard, purge.
 
     Parameters:
-      database_url / pool / database: where the table lives (exactly one; ``database`` shares a
-        :class:`~dramatiq_reliable.database.Database`, e.g. a broker's).
+      database: where the table lives: a URL, a ``psycopg_pool.ConnectionPool`` or a
+        :class:`~dramatiq_reliable.Database` to share (a broker's, say).
       schema: the Postgres schema of the tables (migrated to version 3 or later).
       replay_max_age_ms: replays of jobs first sent longer ago than this are refused unless
         forced; ``None`` never refuses.
@@ -746,24 +739,12 @@ class DeadLetterStore:
     def __init__(
         self,
         *,
-        database_url: str | None = None,
-        pool: ConnectionPool[Any] | None = None,
-        database: Database | None = None,
+        database: DatabaseLike,
         schema: str = _sql.DEFAULT_SCHEMA,
         replay_max_age_ms: int | None = DEFAULT_REPLAY_MAX_AGE_MS,
         retention_ms: int | None = DEFAULT_RETENTION_MS,
         batch_size: int = _DEFAULT_BATCH,
     ) -> None:
-        if sum(item is not None for item in (database_url, pool, database)) != 1:
-            raise ConfigurationError(
-                "pass exactly one of database_url=, pool= and database=; "
-                "for example DeadLetterStore(database_url='postgresql://app@localhost/app')"
-            )
-        if database is not None and not isinstance(database, Database):
-            raise ConfigurationError(
-                f"database must be a dramatiq_reliable.Database, got {type(database).__name__!r}; "
-                "pass database_url= or pool= instead"
-            )
         _check_ms("replay_max_age_ms", replay_max_age_ms, allow_none=True, fix="e.g. 7 days = 604800000")
         _check_ms("retention_ms", retention_ms, allow_none=True, fix="e.g. 30 days = 2592000000")
         _check_batch(batch_size)
@@ -772,8 +753,8 @@ class DeadLetterStore:
         self.replay_max_age_ms = replay_max_age_ms
         self.retention_ms = retention_ms
         self.batch_size = batch_size
-        self._owned = database is None
-        self.database = database if database is not None else Database(url=database_url, pool=pool)
+        self._owned = not isinstance(database, Database)
+        self.database = Database.of(database)
         self._ready = False
 
     @classmethod
@@ -782,7 +763,7 @@ class DeadLetterStore:
         if not isinstance(broker, OutboxBroker):
             raise ConfigurationError(
                 f"DeadLetterStore.from_broker() needs an OutboxBroker, got {type(broker).__name__!r}; "
-                "pass database_url= instead"
+                "build DeadLetterStore(database=...) instead"
             )
         options.setdefault("schema", broker.schema)
         return cls(database=broker.database, **options)
@@ -1024,7 +1005,7 @@ class DeadLetterStore:
         _check_ms("max_age_ms", max_age_ms, allow_none=True, fix="or pass force=True")
         age_limit = None if force else max_age_ms
         handled_by = _check_by(by)
-        bound = conn if conn is not None else current_connection()
+        bound = conn if conn is not None else bound_connection()
 
         before = self._states(bound, id_list, age_limit) if id_list is not None else {}
         total, too_old, upto = self._count(bound, where, id_list, "dead", age_limit)
@@ -1070,7 +1051,7 @@ class DeadLetterStore:
         if note is not None and not isinstance(note, str):
             raise ConfigurationError(f"note must be a string or None, got {note!r}")
         handled_by = _check_by(by)
-        bound = conn if conn is not None else current_connection()
+        bound = conn if conn is not None else bound_connection()
         before = self._states(bound, id_list, None) if id_list is not None else {}
         total, _, upto = self._count(bound, where, id_list, "dead", None)
         params = {
@@ -1212,7 +1193,7 @@ class DeadLetters(Middleware):
     traceback), *before* the nack reaches RabbitMQ:
 
     * if the write fails (Postgres down, schema not migrated), the failure is logged at
-      CRITICAL with the message id and emitted as :class:`DeadLetterStoreFailed`, the hook
+      CRITICAL with the message id and emitted as :class:`DeadLetterCaptureFailed`, the hook
       returns normally and the nack still happens: the message is in the ``.XQ`` queue;
     * if the worker dies between the write and the nack, RabbitMQ redelivers the message; if
       it dies again, the row is refreshed (``captures`` counts it), never doubled.
@@ -1226,7 +1207,8 @@ class DeadLetters(Middleware):
     ``Tracing → Dramatiq defaults → DeadLetters → Idempotency → ClassifiedRetries`` works.
 
     Parameters:
-      database_url / pool / database: where to write; by default the ``OutboxBroker``'s pool.
+      database: where to write (a URL, a pool or a ``Database``); by default the
+        ``OutboxBroker``'s pool.
       schema: the schema of the tables; by default the ``OutboxBroker``'s (else
         ``dramatiq_reliable``).
       on_dead_letter: called with each stored :class:`DeadLetter`, in the worker thread, after
@@ -1235,7 +1217,7 @@ class DeadLetters(Middleware):
         for the insert, so an outage delays a nack by at most about this long.
       max_traceback_chars: longer tracebacks keep their head and tail.
 
-    >>> broker = OutboxBroker(url=..., database_url=..., middleware=[   # doctest: +SKIP
+    >>> broker = OutboxBroker(url=..., database=..., middleware=[   # doctest: +SKIP
     ...     AgeLimit(), TimeLimit(), ShutdownNotifications(), Callbacks(), Pipelines(),
     ...     DeadLetters(on_dead_letter=page_the_on_call), Retries()])
     """
@@ -1243,20 +1225,12 @@ class DeadLetters(Middleware):
     def __init__(
         self,
         *,
-        database_url: str | None = None,
-        pool: ConnectionPool[Any] | None = None,
-        database: Database | None = None,
+        database: DatabaseLike | None = None,
         schema: str | None = None,
         on_dead_letter: Callable[[DeadLetter], None] | None = None,
         timeout_ms: int = 5000,
         max_traceback_chars: int = 64 * 1024,
     ) -> None:
-        if sum(item is not None for item in (database_url, pool, database)) > 1:
-            raise ConfigurationError(
-                "pass at most one of database_url=, pool= and database= (none: use the OutboxBroker's pool)"
-            )
-        if database is not None and not isinstance(database, Database):
-            raise ConfigurationError(f"database must be a dramatiq_reliable.Database, got {type(database).__name__!r}")
         if schema is not None:
             notify_channel(schema)
         if on_dead_letter is not None and not callable(on_dead_letter):
@@ -1274,10 +1248,10 @@ class DeadLetters(Middleware):
         self.on_dead_letter = on_dead_letter
         self.timeout_ms = timeout_ms
         self.max_traceback_chars = max_traceback_chars
-        self._database = database
+        self._database = database if isinstance(database, Database) else None
         self._owned_database: Database | None = None
-        if database_url is not None or pool is not None:
-            self._owned_database = Database(url=database_url, pool=pool, max_size=4, timeout_s=timeout_ms / 1000)
+        if database is not None and not isinstance(database, Database):
+            self._owned_database = Database.of(database, max_size=4, timeout_ms=timeout_ms)
         self._store: DeadLetterStore | None = None
         self._lock = threading.Lock()
 
@@ -1293,7 +1267,7 @@ class DeadLetters(Middleware):
                     schema_name = self.schema or broker.schema
                 elif database is None:
                     raise ConfigurationError(
-                        f"DeadLetters on a {type(broker).__name__} needs database_url= (or pool=); "
+                        f"DeadLetters on a {type(broker).__name__} needs database=; "
                         "or use dramatiq_reliable.OutboxBroker, whose pool it shares"
                     )
                 else:
@@ -1400,7 +1374,7 @@ class DeadLetters(Middleware):
                 exc_info=logger.isEnabledFor(logging.DEBUG),
             )
             events.emit(
-                DeadLetterStoreFailed(
+                DeadLetterCaptureFailed(
                     message_id=message_id,
                     actor_name=actor_name,
                     queue_name=queue_name,
@@ -1410,7 +1384,7 @@ class DeadLetters(Middleware):
             )
             return None
         events.emit(
-            DeadLetterStored(
+            DeadLetterCaptured(
                 dead_letter_id=dead_letter.id,
                 message_id=dead_letter.message_id,
                 actor_name=dead_letter.actor_name,
@@ -1447,15 +1421,6 @@ def _throws(broker: Broker, message: MessageProxy) -> Any:
 # --------------------------------------------------------------------------------------------
 # Validation and conversions
 # --------------------------------------------------------------------------------------------
-
-
-def _check_ms(name: str, value: Any, *, allow_none: bool, fix: str, minimum: int = 0) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a non-negative" if minimum == 0 else "a positive"
-        none = " or None" if allow_none else ""
-        raise ConfigurationError(f"{name} must be {kind} int of milliseconds{none}, got {value!r}; {fix}")
 
 
 def _check_batch(batch: Any) -> int:
@@ -1563,7 +1528,3 @@ def _format_duration_ms(ms: int) -> str:
         if ms and ms % size == 0:
             return f"{ms // size}{unit}"
     return f"{ms}ms"
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -1,36 +1,48 @@
 """The errors dramatiq-reliable raises, and the one users raise to stop retries.
 
-Every error here says what went wrong and ends with the fix.  The tree::
+Every error here says what went wrong and ends with the fix, and every one is a
+:class:`ReliableError`, so ``except dramatiq_reliable.ReliableError`` catches all of them.  The tree::
 
     dramatiq.DramatiqError
-     └── ReliableError                      base of everything below
-          ├── ConfigurationError            a bad argument; raised at construction or call time
-          ├── SchemaNotReady                tables missing or behind; run 'dramatiq-reliable migrate'
-          ├── PayloadError                  a message that cannot be encoded, raised by send()
-          ├── NotBound                      send() with no bound transaction under on_unbound="error"
-          ├── OutboxWriteError              the outbox insert failed; the message was not stored
-          ├── Unrecoverable                 raised by an actor: never retried, dead-lettered at once
-          ├── IdempotencyKeyError           (idempotency.py) a job key that cannot be computed
-          ├── IdempotencyConflict           (idempotency.py) a key reused with other arguments
-          └── NoCurrentJob                  (idempotency.py) job helpers called outside a job
+     └── ReliableError                  base of everything below
+          ├── ConfigurationError        (also ValueError) a bad argument, at construction or call time
+          │    └── ActorOptionError     (also MiddlewareError) a bad actor option, at decoration time
+          ├── SchemaNotReady            tables missing or behind; run 'dramatiq-reliable migrate'
+          ├── PayloadError              (also TypeError) a message send() cannot encode or accept
+          ├── NotBound                  send() with no bound transaction under on_unbound="error"
+          ├── OutboxWriteError          the outbox insert failed; the message was not stored
+          ├── BrokerUnavailable         RabbitMQ unreachable while publishing; nothing was marked sent
+          ├── DatabaseUnavailable       (also MiddlewareError) Postgres unreachable in a before-hook
+          ├── Unrecoverable             raised by an actor: never retried, dead-lettered at once
+          ├── IdempotencyKeyError       (also SkipMessage) a job key that cannot be computed
+          ├── IdempotencyConflict       (also SkipMessage) a key reused with other arguments
+          ├── NoCurrentJob              (also LookupError) job helpers called outside a job
+          └── JobCommitFailed           the actor returned but its transaction did not commit
 
-    dramatiq.middleware.MiddlewareError
-     ├── DatabaseUnavailable                raised from a before-hook so the actor does not run
-     └── IdempotencyOptionError             (idempotency.py) a bad actor option, raised at decoration
+Dramatiq lets only a ``MiddlewareError`` out of a before-hook (anything else is logged and the
+actor runs anyway), so the errors that must stop a message are also ``MiddlewareError``s:
+``SkipMessage`` is one.
 
-The two idempotency errors that stop a message also subclass Dramatiq's ``SkipMessage``.
-
-The driver error, where there is one, is kept as ``__cause__``.
+Each class reports ``dramatiq_reliable`` as its module, so the type names stored with dead
+letters (``dramatiq_reliable.Unrecoverable``) and the fingerprints built from them do not change
+when code moves between internal modules.  The driver error, where there is one, is kept as
+``__cause__``.
 """
 
 from __future__ import annotations
 
 from dramatiq.errors import DramatiqError
-from dramatiq.middleware import MiddlewareError
+from dramatiq.middleware import MiddlewareError, SkipMessage
 
 __all__ = [
+    "ActorOptionError",
+    "BrokerUnavailable",
     "ConfigurationError",
     "DatabaseUnavailable",
+    "IdempotencyConflict",
+    "IdempotencyKeyError",
+    "JobCommitFailed",
+    "NoCurrentJob",
     "NotBound",
     "OutboxWriteError",
     "PayloadError",
@@ -39,9 +51,13 @@ __all__ = [
     "Unrecoverable",
 ]
 
+_PUBLIC_MODULE = "dramatiq_reliable"
+
 
 class ReliableError(DramatiqError):
     """Base class of every error dramatiq-reliable raises."""
+
+    __module__ = _PUBLIC_MODULE
 
     def __init__(self, message: str) -> None:
         Exception.__init__(self, message)
@@ -54,21 +70,60 @@ class ReliableError(DramatiqError):
 class ConfigurationError(ReliableError, ValueError):
     """An argument has a value that cannot work; the message names the argument and the fix."""
 
+    __module__ = _PUBLIC_MODULE
+
+
+class ActorOptionError(ConfigurationError, MiddlewareError):
+    """A bad actor option of ours (``idempotency*``, ``retry_*``), or a middleware with no database.
+
+    A ``MiddlewareError`` so that Dramatiq lets it out of ``before_declare_actor``: the
+    decorator raises at import time instead of the message failing at run time.
+    """
+
+    __module__ = _PUBLIC_MODULE
+
 
 class SchemaNotReady(ReliableError):
     """The tables are missing or older than this version of the package expects."""
 
+    __module__ = _PUBLIC_MODULE
+
 
 class PayloadError(ReliableError, TypeError):
-    """A message cannot be encoded.  Raised by ``send()`` before anything is written."""
+    """A message ``send()`` cannot accept.  Raised before anything is written."""
+
+    __module__ = _PUBLIC_MODULE
 
 
 class NotBound(ReliableError):
     """``send()`` was called outside a bound transaction and the broker forbids that."""
 
+    __module__ = _PUBLIC_MODULE
+
 
 class OutboxWriteError(ReliableError):
     """The outbox insert failed; the message was not stored and ``send()`` did not succeed."""
+
+    __module__ = _PUBLIC_MODULE
+
+
+class BrokerUnavailable(ReliableError):
+    """RabbitMQ cannot be reached or the connection broke; no outcome is known for the batch.
+
+    The relay keeps every row of such a batch and tries again later.
+    """
+
+    __module__ = _PUBLIC_MODULE
+
+
+class DatabaseUnavailable(ReliableError, MiddlewareError):
+    """Postgres could not be reached from a before-hook.
+
+    A ``MiddlewareError`` is the only kind of exception Dramatiq lets out of a before-hook,
+    so raising this one is what keeps the actor from running: the middleware fails closed.
+    """
+
+    __module__ = _PUBLIC_MODULE
 
 
 class Unrecoverable(ReliableError):
@@ -80,10 +135,39 @@ class Unrecoverable(ReliableError):
     >>> raise Unrecoverable(f"user {user_id!r} does not exist")  # doctest: +SKIP
     """
 
+    __module__ = _PUBLIC_MODULE
 
-class DatabaseUnavailable(MiddlewareError):
-    """Postgres could not be reached from a before-hook.
 
-    A ``MiddlewareError`` is the only kind of exception Dramatiq lets out of a before-hook,
-    so raising this one is what keeps the actor from running: the middleware fails closed.
+class IdempotencyKeyError(ReliableError, SkipMessage):
+    """The job key cannot be computed, or a message option names an invalid one.
+
+    From a worker it fails the message without running the actor (a ``SkipMessage`` after
+    ``message.fail()``, so it is dead-lettered, not acked).  From ``send()`` it refuses the send.
     """
+
+    __module__ = _PUBLIC_MODULE
+
+
+class IdempotencyConflict(ReliableError, SkipMessage):
+    """A key that already ran is reused with different arguments.
+
+    Skipping would silently drop the second job, running it would defeat the key: the message
+    fails without running the actor and is dead-lettered, so someone looks at the key function.
+    """
+
+    __module__ = _PUBLIC_MODULE
+
+
+class NoCurrentJob(ReliableError, LookupError):
+    """:func:`~dramatiq_reliable.job_connection`, ``current_job`` or ``external_key`` used outside a job."""
+
+    __module__ = _PUBLIC_MODULE
+
+
+class JobCommitFailed(ReliableError):
+    """The actor returned but its transaction (with its key) did not commit.
+
+    Recorded on the message so its dead letter says why it failed although the actor succeeded.
+    """
+
+    __module__ = _PUBLIC_MODULE

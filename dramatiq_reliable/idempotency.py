@@ -25,11 +25,11 @@ without running the actor.  If Postgres cannot be reached for the check the midd
 closed: it raises :class:`~dramatiq_reliable.errors.DatabaseUnavailable`, the actor does not run
 and the retry middleware retries the message.
 
->>> broker = OutboxBroker(url="amqp://localhost", database_url="postgresql://app@localhost/app")  # doctest: +SKIP
+>>> broker = OutboxBroker(url="amqp://localhost", database="postgresql://app@localhost/app")  # doctest: +SKIP
 >>> broker.add_middleware(Idempotency(), before=Callbacks)     # before actors are declared  # doctest: +SKIP
 >>> @dramatiq.actor(idempotency_key=lambda order_id: f"invoice-{order_id}")   # doctest: +SKIP
 ... def issue_invoice(order_id):
-...     connection().execute("INSERT INTO invoices (order_id) VALUES (%s)", (order_id,))
+...     job_connection().execute("INSERT INTO invoices (order_id) VALUES (%s)", (order_id,))
 """
 
 from __future__ import annotations
@@ -50,35 +50,44 @@ import psycopg
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.errors import ActorNotFound
 from dramatiq.message import Message
-from dramatiq.middleware import Callbacks, Middleware, MiddlewareError, Pipelines, SkipMessage
+from dramatiq.middleware import Callbacks, Middleware, Pipelines, SkipMessage
 from dramatiq.worker import ConsumerThread
 from psycopg_pool import ConnectionPool
 
 from . import _sql, events
-from .database import Database
-from .errors import ConfigurationError, DatabaseUnavailable, ReliableError, SchemaNotReady
+from ._util import first_line as _first_line
+from .database import Database, DatabaseLike
+from .errors import (
+    ActorOptionError,
+    ConfigurationError,
+    DatabaseUnavailable,
+    IdempotencyConflict,
+    IdempotencyKeyError,
+    JobCommitFailed,
+    NoCurrentJob,
+    SchemaNotReady,
+)
 from .outbox.binding import bind
 from .outbox.broker import OutboxBroker
 from .schema import ensure_ready
 
 __all__ = [
     "IDEMPOTENCY_SCHEMA_VERSION",
+    "ActorOptionError",
     "Idempotency",
     "IdempotencyCommitFailed",
     "IdempotencyConflict",
     "IdempotencyDuplicateSkipped",
-    "IdempotencyKeyConflict",
     "IdempotencyKeyError",
     "IdempotencyKeyInvalid",
+    "IdempotencyKeyReused",
     "IdempotencyKeysPurged",
-    "IdempotencyOptionError",
     "IdempotencyRecordFailed",
     "IdempotencyUnavailable",
     "Job",
     "JobCommitFailed",
     "Mode",
     "NoCurrentJob",
-    "connection",
     "current_job",
     "external_key",
     "make_purge_actor",
@@ -100,44 +109,6 @@ DEFAULT_RETENTION_MS = 7 * 86_400_000
 _OPTIONS = frozenset({"idempotency", "idempotency_key", "idempotency_retention_ms"})
 
 
-# -- errors -------------------------------------------------------------------------------------
-
-
-class IdempotencyKeyError(ReliableError, SkipMessage):
-    """The job key cannot be computed, or a message option names an invalid one.
-
-    From a worker it fails the message without running the actor (a ``SkipMessage`` after
-    ``message.fail()``, so it is dead-lettered, not acked).  From ``send()`` it refuses the send.
-    """
-
-
-class IdempotencyConflict(ReliableError, SkipMessage):
-    """A key that already ran is reused with different arguments.
-
-    Skipping would silently drop the second job, running it would defeat the key: the message
-    fails without running the actor and is dead-lettered, so someone looks at the key function.
-    """
-
-
-class IdempotencyOptionError(ConfigurationError, MiddlewareError):
-    """A bad ``idempotency*`` actor option, or a middleware with no database.
-
-    A ``MiddlewareError`` so that Dramatiq lets it out of ``before_declare_actor``: the
-    decorator raises at import time instead of the message failing at run time.
-    """
-
-
-class NoCurrentJob(ReliableError, LookupError):
-    """:func:`connection`, :func:`current_job` or :func:`external_key` used outside a job."""
-
-
-class JobCommitFailed(ReliableError):
-    """The actor returned but its transaction (with its key) did not commit.
-
-    Recorded on the message so its dead letter says why it failed although the actor succeeded.
-    """
-
-
 # -- events -------------------------------------------------------------------------------------
 
 
@@ -155,7 +126,7 @@ class IdempotencyDuplicateSkipped(events.Event):
 
 
 @dataclasses.dataclass(frozen=True)
-class IdempotencyKeyConflict(events.Event):
+class IdempotencyKeyReused(events.Event):
     """A key that ran was reused with other arguments; the message failed."""
 
     name: ClassVar[str] = "idempotency.conflict"
@@ -273,7 +244,7 @@ def current_job() -> Job:
     return running.job
 
 
-def connection() -> psycopg.Connection[Any]:
+def job_connection() -> psycopg.Connection[Any]:
     """The connection of the running job's transaction (transactional mode).
 
     Write on it and the writes commit with the job's key or not at all.  Do not commit or roll
@@ -283,7 +254,7 @@ def connection() -> psycopg.Connection[Any]:
     if running is None or running.conn is None:
         where = "outside a job" if running is None else f"in a job of mode {running.job.mode!r}"
         raise NoCurrentJob(
-            f"connection() was called {where}; the job connection exists only while an actor with "
+            f"job_connection() was called {where}; the job connection exists only while an actor with "
             "idempotency='transactional' runs under the Idempotency middleware"
         )
     return running.conn
@@ -334,12 +305,13 @@ class Idempotency(Middleware):
     override the actor's.
 
     Parameters:
-      database_url / pool: where ``processed_jobs`` lives.  Omit both with an ``OutboxBroker``
-        and the broker's pool is used, so the job's ``send()`` calls join its transaction.
+      database: where ``processed_jobs`` lives (a URL, a pool or a ``Database``).  Omit it with
+        an ``OutboxBroker`` and the broker's pool is used, so the job's ``send()`` calls join its
+        transaction.
       schema: the schema of the tables; default the broker's (or ``dramatiq_reliable``).
       default_mode: the mode of actors that do not choose one.
       retention_ms: how long a key dedupes; :func:`purge_expired` reclaims expired rows.
-      connection_timeout_s: how long a job waits for a pooled connection before it fails closed
+      connection_timeout_ms: how long a job waits for a pooled connection before it fails closed
         (the message is retried); default the pool's timeout.
 
     Ordering: put it after ``AgeLimit``/``TimeLimit`` and before ``Callbacks``, ``Pipelines`` and
@@ -361,35 +333,28 @@ class Idempotency(Middleware):
     def __init__(
         self,
         *,
-        database_url: str | None = None,
-        pool: ConnectionPool[Any] | None = None,
+        database: DatabaseLike | None = None,
         schema: str | None = None,
         default_mode: Mode = "transactional",
         retention_ms: int = DEFAULT_RETENTION_MS,
-        connection_timeout_s: float | None = None,
+        connection_timeout_ms: int | None = None,
     ) -> None:
-        if database_url is not None and pool is not None:
-            raise ConfigurationError(
-                "pass at most one of database_url= and pool= to Idempotency; omit both to use the OutboxBroker's pool"
-            )
         if default_mode not in MODES:
             raise ConfigurationError(f"default_mode must be one of {MODES!r}, got {default_mode!r}")
         _check_retention("retention_ms", retention_ms, ConfigurationError)
-        if connection_timeout_s is not None and (
-            isinstance(connection_timeout_s, bool)
-            or not isinstance(connection_timeout_s, int | float)
-            or connection_timeout_s <= 0
+        if connection_timeout_ms is not None and (
+            isinstance(connection_timeout_ms, bool)
+            or not isinstance(connection_timeout_ms, int)
+            or connection_timeout_ms <= 0
         ):
             raise ConfigurationError(
-                f"connection_timeout_s must be a positive number of seconds or None, got {connection_timeout_s!r}"
+                f"connection_timeout_ms must be a positive int of milliseconds or None, got {connection_timeout_ms!r}"
             )
-        self.connection_timeout_s = connection_timeout_s
+        self.connection_timeout_ms = connection_timeout_ms
         self.schema: str | None = None if schema is None else _sql.validate_schema(schema)
         self.default_mode: Mode = default_mode
         self.retention_ms = retention_ms
-        self._own_database = (
-            Database(url=database_url, pool=pool) if database_url is not None or pool is not None else None
-        )
+        self._own_database = Database.of(database) if database is not None else None
         self._target: tuple[Database, str] | None = None
         self._schema_ready = False
         self._pool_open = False
@@ -410,8 +375,8 @@ class Idempotency(Middleware):
             elif isinstance(broker, OutboxBroker):
                 database, default_schema = broker.database, broker.schema
             else:
-                raise IdempotencyOptionError(
-                    f"Idempotency has no database on a {type(broker).__name__}; pass database_url= or pool=, "
+                raise ActorOptionError(
+                    f"Idempotency has no database on a {type(broker).__name__}; pass database=, "
                     "or use dramatiq_reliable.OutboxBroker whose pool it shares"
                 )
             self._target = (database, self.schema or default_schema)
@@ -422,25 +387,23 @@ class Idempotency(Middleware):
         options = actor.options
         mode = options.get("idempotency", self.default_mode)
         if mode not in MODES:
-            raise IdempotencyOptionError(
-                f"actor {actor.actor_name!r}: idempotency must be one of {MODES!r}, got {mode!r}"
-            )
+            raise ActorOptionError(f"actor {actor.actor_name!r}: idempotency must be one of {MODES!r}, got {mode!r}")
         key = options.get("idempotency_key")
         if key is not None and not callable(key):
-            raise IdempotencyOptionError(
+            raise ActorOptionError(
                 f"actor {actor.actor_name!r}: idempotency_key must be a callable taking the actor's arguments, "
                 f"got {key!r}; write e.g. idempotency_key=lambda order_id: f'invoice-{{order_id}}' "
                 "(a fixed string belongs in send_with_options(idempotency_key=...))"
             )
         if mode == "off" and key is not None:
-            raise IdempotencyOptionError(
+            raise ActorOptionError(
                 f"actor {actor.actor_name!r} has idempotency='off' and an idempotency_key; remove one of them"
             )
         if "idempotency_retention_ms" in options:
             _check_retention(
                 f"actor {actor.actor_name!r}: idempotency_retention_ms",
                 options["idempotency_retention_ms"],
-                IdempotencyOptionError,
+                ActorOptionError,
             )
 
     def job_for(self, broker: Broker, message: Message[Any] | MessageProxy) -> Job | None:
@@ -597,7 +560,7 @@ class Idempotency(Middleware):
         self.close()
 
     def close(self) -> None:
-        """Close the pool this middleware created from ``database_url=`` (not a shared one)."""
+        """Close the pool this middleware created from ``database=`` (not a shared one)."""
         if self._own_database is not None:
             self._own_database.close()
 
@@ -649,10 +612,11 @@ class Idempotency(Middleware):
     def _borrow(self, database: Database) -> psycopg.Connection[Any]:
         """A pooled connection; getconn/putconn span two hooks, where a ``with`` block cannot."""
         if not self._pool_open:
-            with database.connection(timeout_s=self.connection_timeout_s):
+            with database.connection(timeout_ms=self.connection_timeout_ms):
                 pass  # opens a pool the Database created lazily
             self._pool_open = True
-        conn: psycopg.Connection[Any] = database.pool.getconn(timeout=self.connection_timeout_s)
+        timeout_s = self.connection_timeout_ms / 1000 if self.connection_timeout_ms else None
+        conn: psycopg.Connection[Any] = database.pool.getconn(timeout=timeout_s)
         return conn
 
     def _end_transaction(self, running: _Running, *, commit: bool) -> BaseException | None:
@@ -704,7 +668,7 @@ class Idempotency(Middleware):
         job = running.job
         try:
             # Autocommit: one round trip, no BEGIN/COMMIT.
-            with database.connection(timeout_s=self.connection_timeout_s) as conn, _autocommit(conn):
+            with database.connection(timeout_ms=self.connection_timeout_ms) as conn, _autocommit(conn):
                 if not self._schema_ready:
                     self._check_schema(conn, schema_name)
                 stored = (
@@ -727,7 +691,7 @@ class Idempotency(Middleware):
             # multi-row INSERT, each thread waiting for the commit) halved the WAL flushes but
             # was measured no faster: a worker thread waiting on a condition costs about what the
             # round trip it saved did.
-            with database.connection(timeout_s=self.connection_timeout_s) as conn, _autocommit(conn):
+            with database.connection(timeout_ms=self.connection_timeout_ms) as conn, _autocommit(conn):
                 recorded = _sql.tuples(conn).execute(_sql.query("idempotency_claim", schema_name), params).fetchone()
         except Exception as error:
             events.emit(IdempotencyRecordFailed(*_ids(running), _first_line(error)))
@@ -748,7 +712,7 @@ class Idempotency(Middleware):
         job = running.job
         stored_hash, first_message_id = bytes(stored[0]), str(stored[1])
         if stored_hash != running.payload_hash:
-            events.emit(IdempotencyKeyConflict(job.actor_name, job.message_id, job.key, first_message_id))
+            events.emit(IdempotencyKeyReused(job.actor_name, job.message_id, job.key, first_message_id))
             running.message.fail()
             raise IdempotencyConflict(
                 f"key {job.key!r} of actor {job.actor_name!r} already ran (message {first_message_id!r}) with "
@@ -800,7 +764,7 @@ class Idempotency(Middleware):
 # -- retention ----------------------------------------------------------------------------------
 
 
-def purge_expired(database: Database, *, schema: str = _sql.DEFAULT_SCHEMA, batch_size: int = 5000) -> int:
+def purge_expired(database: DatabaseLike, *, schema: str = _sql.DEFAULT_SCHEMA, batch_size: int = 5000) -> int:
     """Delete expired keys in batches of ``batch_size``; return how many were deleted.
 
     Each batch is its own short transaction, so a large backlog never holds long locks.  The
@@ -809,6 +773,7 @@ def purge_expired(database: Database, *, schema: str = _sql.DEFAULT_SCHEMA, batc
     schema_name = _sql.validate_schema(schema)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigurationError(f"batch_size must be a positive int, got {batch_size!r}")
+    database = Database.of(database)
     started = time.perf_counter()
     total = 0
     with database.connection() as conn:
@@ -827,7 +792,7 @@ def purge_expired(database: Database, *, schema: str = _sql.DEFAULT_SCHEMA, batc
 def make_purge_actor(
     broker: Broker,
     *,
-    database: Database | None = None,
+    database: DatabaseLike | None = None,
     schema: str | None = None,
     batch_size: int = 5000,
     actor_name: str = "dramatiq_reliable_purge_idempotency_keys",
@@ -850,9 +815,10 @@ def make_purge_actor(
             database, default_schema = broker.database, broker.schema
         else:
             raise ConfigurationError(
-                f"make_purge_actor() found no database on a {type(broker).__name__}; pass database=Database(url=...)"
+                f"make_purge_actor() found no database on a {type(broker).__name__}; pass database='postgresql://...'"
             )
     else:
+        database = Database.of(database)
         default_schema = broker.schema if isinstance(broker, OutboxBroker) else _sql.DEFAULT_SCHEMA
     schema_name = _sql.validate_schema(schema or default_schema)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -895,7 +861,3 @@ def _where(message: Message[Any] | MessageProxy) -> str:
 
 def _ids(running: _Running) -> tuple[str, str, str]:
     return running.job.actor_name, running.job.message_id, running.job.key
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]

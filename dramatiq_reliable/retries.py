@@ -31,7 +31,7 @@ import logging
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, Literal, TypeGuard, cast
+from typing import Any, ClassVar, Literal, cast
 
 from dramatiq.actor import Actor
 from dramatiq.broker import Broker, MessageProxy
@@ -41,6 +41,9 @@ from dramatiq.middleware import Middleware, Retries, default_middleware
 from dramatiq.worker import Worker
 
 from . import events
+from ._util import check_ms as _check_ms
+from ._util import is_int as _is_int
+from ._util import type_name as _type_name
 from .classify import (
     DEFAULT_MAX_RETRY_AFTER_MS,
     Decision,
@@ -61,9 +64,9 @@ __all__ = [
     "RABBITMQ_CONSUMER_TIMEOUT_MS",
     "RETRY_DECISION_KEY",
     "ClassifiedRetries",
-    "Outcome",
     "RetryEvent",
     "RetryGaveUp",
+    "RetryOutcome",
     "RetryScheduled",
     "build_middleware",
     "no_delays",
@@ -93,7 +96,7 @@ _JITTERS = ("full", "proportional", "none")
 #: What became of a failed message: ``"retry"`` (scheduled), ``"fail"`` (the classifier, a rule,
 #: ``throws`` or ``Unrecoverable`` said no), ``"exhausted"`` (``max_retries`` or ``retry_when``),
 #: ``"deadline"`` (the next attempt would start after ``retry_deadline_ms``).
-Outcome = Literal["retry", "fail", "exhausted", "deadline"]
+RetryOutcome = Literal["retry", "fail", "exhausted", "deadline"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,23 +168,6 @@ def no_delays() -> Iterator[None]:
 # --------------------------------------------------------------------------------------------
 # Validation helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_ms(name: str, value: object, *, minimum: int, fix: str, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not _is_int(value) or value < minimum:
-        none = " or None" if allow_none else ""
-        raise ConfigurationError(f"{name} must be an int >= {minimum}{none}, got {value!r}; {fix}")
-
-
-def _type_name(cls: type) -> str:
-    module = cls.__module__
-    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,7 +520,7 @@ class ClassifiedRetries(Middleware):
         message: MessageProxy,
         actor: Actor[..., Any],
         decision: Decision,
-        outcome: Outcome,
+        outcome: RetryOutcome,
         attempt: int,
         max_retries: int | None,
     ) -> None:
@@ -579,7 +565,7 @@ class ClassifiedRetries(Middleware):
                 )
 
 
-def _record(decision: Decision, outcome: Outcome, attempt: int, max_retries: int | None) -> dict[str, Any]:
+def _record(decision: Decision, outcome: RetryOutcome, attempt: int, max_retries: int | None) -> dict[str, Any]:
     """The JSON-able form stored under ``message.options["retry_decision"]``."""
     return {
         "retry": outcome == "retry",
@@ -597,7 +583,7 @@ def _record(decision: Decision, outcome: Outcome, attempt: int, max_retries: int
 
 
 def _event(
-    cls: type[RetryEvent], message: MessageProxy, decision: Decision, outcome: Outcome, attempt: int
+    cls: type[RetryEvent], message: MessageProxy, decision: Decision, outcome: RetryOutcome, attempt: int
 ) -> RetryEvent:
     return cls(
         message_id=message.message_id,

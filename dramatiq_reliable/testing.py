@@ -21,16 +21,16 @@ __all__ = ["drain_outbox", "wait_for"]
 T = TypeVar("T")
 
 
-def wait_for(condition: Callable[[], T], *, timeout_s: float = 10.0, interval_s: float = 0.02, message: str = "") -> T:
-    """Poll ``condition`` until it returns something truthy and return that; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
+def wait_for(condition: Callable[[], T], *, timeout_ms: int = 10_000, interval_ms: int = 20, message: str = "") -> T:
+    """Poll ``condition`` until it returns something truthy and return that; fail after ``timeout_ms``."""
+    deadline = time.monotonic() + timeout_ms / 1000
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s" + (f": {message}" if message else ""))
-        time.sleep(interval_s)
+            raise AssertionError(f"condition not met within {timeout_ms} ms" + (f": {message}" if message else ""))
+        time.sleep(interval_ms / 1000)
 
 
 def drain_outbox(broker: OutboxBroker, **relay_options: Any) -> int:

@@ -62,9 +62,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from opentelemetry.util.types import AttributeValue
 
 from . import events
+from ._util import check_ms as _check_ms
+from ._util import type_name as _type_name
 from .errors import ConfigurationError
+from .health import Health, HealthMonitor, QueueDepths, QueueHealth
 from .outbox.broker import OutboxBroker
-from .status import Health, HealthMonitor, QueueDepths, QueueHealth
 
 __all__ = [
     "PREVIOUS_ATTEMPT_KEY",
@@ -211,12 +213,12 @@ class Tracing(Middleware):
         defaults to the global propagator (W3C trace context and baggage unless configured).
       health_metrics: register the observable gauges (outbox backlog and age, dead letters,
         queue depth).  Each process that has them reads Postgres (and RabbitMQ) once per
-        ``health_cache_s`` at most, whatever the scrape rate; turn them off in all but a few
+        ``health_cache_ms`` at most, whatever the scrape rate; turn them off in all but a few
         processes of a large fleet.
       queue_depth: include RabbitMQ queue depths in the gauges (one dedicated connection).
-      health_cache_s: how long one health reading serves the gauges.
+      health_cache_ms: how long one health reading serves the gauges.
 
-    >>> broker = OutboxBroker(url=..., database_url=..., middleware=build_middleware(
+    >>> broker = OutboxBroker(url=..., database=..., middleware=build_middleware(
     ...     middleware=[Tracing(), Idempotency()]))                          # doctest: +SKIP
     """
 
@@ -228,7 +230,7 @@ class Tracing(Middleware):
         propagator: TextMapPropagator | None = None,
         health_metrics: bool = True,
         queue_depth: bool = True,
-        health_cache_s: float = 10.0,
+        health_cache_ms: int = 10_000,
     ) -> None:
         if tracer_provider is not None and not callable(getattr(tracer_provider, "get_tracer", None)):
             raise ConfigurationError(
@@ -243,16 +245,13 @@ class Tracing(Middleware):
         for name, flag in (("health_metrics", health_metrics), ("queue_depth", queue_depth)):
             if not isinstance(flag, bool):
                 raise ConfigurationError(f"{name} must be True or False, got {flag!r}")
-        if isinstance(health_cache_s, bool) or not isinstance(health_cache_s, (int, float)) or health_cache_s < 0:
-            raise ConfigurationError(
-                f"health_cache_s must be a non-negative number of seconds, got {health_cache_s!r}; 10 is the default"
-            )
+        _check_ms("health_cache_ms", health_cache_ms, minimum=0, fix="10000 is the default")
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self.propagator = propagator
         self.health_metrics = health_metrics
         self.queue_depth = queue_depth
-        self.health_cache_s = float(health_cache_s)
+        self.health_cache_ms = health_cache_ms
 
         version = _version()
         # With no provider given these are proxies that follow the global provider, even one
@@ -808,7 +807,7 @@ class Tracing(Middleware):
             schema=schema_name or "dramatiq_reliable",
             rabbitmq=depths,
             queues=queues,
-            ttl_s=self.health_cache_s,
+            ttl_ms=self.health_cache_ms,
         )
 
     def _observe_postgres(self, read: Callable[[QueueHealth], float | int | None]) -> list[Observation]:
@@ -969,11 +968,6 @@ def _inferred_decision(attempt: _Attempt, message: MessageProxy) -> dict[str, An
 
 def _int(value: object, default: int = 0) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _type_name(cls: type) -> str:
-    module = cls.__module__
-    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
 def _publish_error_type(error: str) -> str:

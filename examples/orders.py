@@ -21,7 +21,7 @@ RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672
 SCHEMA = "dramatiq_reliable_demo"
 
 migrate(DATABASE_URL, schema=SCHEMA)
-broker = OutboxBroker(url=RABBITMQ_URL, database_url=DATABASE_URL, schema=SCHEMA)
+broker = OutboxBroker(url=RABBITMQ_URL, database=DATABASE_URL, schema=SCHEMA)
 broker.add_middleware(WorkerRelay(poll_interval_ms=200))
 dramatiq.set_broker(broker)
 

@@ -58,8 +58,8 @@ def one_line(span: ReadableSpan) -> str:
 
 # -- the broker: Tracing first, ClassifiedRetries last ------------------------------------------------
 
-# health_cache_s=0: the metrics printed at the end are read then, not at the shutdown flush.
-tracing = Tracing(tracer_provider=tracer_provider, meter_provider=meter_provider, health_cache_s=0)
+# health_cache_ms=0: the metrics printed at the end are read then, not at the shutdown flush.
+tracing = Tracing(tracer_provider=tracer_provider, meter_provider=meter_provider, health_cache_ms=0)
 try:
     from dramatiq_reliable.retries import ClassifiedRetries, build_middleware
 
@@ -78,7 +78,7 @@ except ImportError:  # an older checkout without ClassifiedRetries: Dramatiq's R
     ]
 
 migrate(DATABASE_URL, schema=SCHEMA)
-broker = OutboxBroker(url=RABBITMQ_URL, database_url=DATABASE_URL, schema=SCHEMA, middleware=middleware)
+broker = OutboxBroker(url=RABBITMQ_URL, database=DATABASE_URL, schema=SCHEMA, middleware=middleware)
 dramatiq.set_broker(broker)
 
 app_tracer = tracer_provider.get_tracer("orders-demo")

@@ -97,7 +97,7 @@ def queue_name(rabbit: Rabbit) -> Iterator[str]:
 @pytest.fixture
 def broker(rabbitmq_url: str, database_url: str, db_schema: str) -> Iterator[OutboxBroker]:
     """An OutboxBroker on the test's schema, set as Dramatiq's global broker."""
-    outbox_broker = OutboxBroker(url=rabbitmq_url, database_url=database_url, schema=db_schema)
+    outbox_broker = OutboxBroker(url=rabbitmq_url, database=database_url, schema=db_schema)
     dramatiq.set_broker(outbox_broker)
     yield outbox_broker
     outbox_broker.close()

@@ -1,7 +1,7 @@
 """The transactional outbox: OutboxBroker, binding, the relay and its worker middleware."""
 
-from .binding import bind, current_connection
+from .binding import bind
 from .broker import OutboxBroker
-from .relay import Relay, RelayPass, WorkerRelay, purge_published
+from .relay import Relay, RelayOptions, RelayPass, WorkerRelay, purge_published
 
-__all__ = ["OutboxBroker", "Relay", "RelayPass", "WorkerRelay", "bind", "current_connection", "purge_published"]
+__all__ = ["OutboxBroker", "Relay", "RelayOptions", "RelayPass", "WorkerRelay", "bind", "purge_published"]

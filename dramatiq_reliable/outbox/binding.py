@@ -18,7 +18,7 @@ import psycopg
 
 from ..errors import ConfigurationError
 
-__all__ = ["bind", "current_connection"]
+__all__ = ["bind", "bound_connection"]
 
 _bound: contextvars.ContextVar[psycopg.Connection[Any] | None] = contextvars.ContextVar(
     "dramatiq_reliable_connection", default=None
@@ -57,6 +57,6 @@ def bind(conn: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
         _bound.reset(token)
 
 
-def current_connection() -> psycopg.Connection[Any] | None:
+def bound_connection() -> psycopg.Connection[Any] | None:
     """The connection bound to the current context, or ``None`` outside any binding."""
     return _bound.get()

@@ -22,12 +22,12 @@ from dramatiq.common import current_millis, dq_name
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 from dramatiq.worker import ConsumerThread, WorkerThread
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import PoolTimeout
 
 from .. import _sql, schema
-from ..database import Database
+from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError, NotBound, OutboxWriteError, PayloadError, SchemaNotReady
-from .binding import bind, current_connection
+from .binding import bind, bound_connection
 
 __all__ = ["OutboxBroker"]
 
@@ -68,21 +68,22 @@ class OutboxBroker(RabbitmqBroker):
 
     Parameters:
       url: RabbitMQ URL, as for ``RabbitmqBroker``.
-      database_url: Postgres URL for the broker's own pool.
-      pool: an existing ``psycopg_pool.ConnectionPool`` instead of ``database_url``.
+      database: where the outbox lives: a Postgres URL (the broker then creates its own pool),
+        an existing ``psycopg_pool.ConnectionPool`` (the app's, shared and never closed by the
+        broker) or a :class:`~dramatiq_reliable.Database`.
       schema: the Postgres schema holding the tables.
       on_unbound: ``"autocommit"`` or ``"error"``, see above.
       max_payload_bytes: encoded size above which a send logs a warning; ``None`` disables it.
       worker_write_timeout_ms: how long a send made inside a worker (a retry, say) keeps
         trying while Postgres is unreachable before it raises.
-      pool_max_size: connections in the pool the broker creates from ``database_url``.  A
+      pool_max_size: connections in the pool the broker creates from a URL.  A
         transactional ``Idempotency`` job holds one for its whole run, so give it at least the
         worker's threads plus two (the relay and the dead letters); the worker warns otherwise.
       confirm_delivery: publisher confirms for the consumer thread's direct publishes.
       middleware, max_priority, parameters, **kwargs: as for ``RabbitmqBroker``.
 
     >>> broker = OutboxBroker(url="amqp://guest:guest@localhost:5672",
-    ...                       database_url="postgresql://app@localhost/app")
+    ...                       database="postgresql://app@localhost/app")
     >>> dramatiq.set_broker(broker)                                       # doctest: +SKIP
     >>> with broker.transaction() as conn:                                # doctest: +SKIP
     ...     conn.execute("INSERT INTO orders (id) VALUES (%s)", (42,))
@@ -93,8 +94,7 @@ class OutboxBroker(RabbitmqBroker):
         self,
         *,
         url: str | list[str] | None = None,
-        database_url: str | None = None,
-        pool: ConnectionPool[Any] | None = None,
+        database: DatabaseLike,
         schema: str = _sql.DEFAULT_SCHEMA,
         on_unbound: Unbound = "autocommit",
         max_payload_bytes: int | None = 64 * 1024,
@@ -111,7 +111,7 @@ class OutboxBroker(RabbitmqBroker):
         if max_payload_bytes is not None and (not isinstance(max_payload_bytes, int) or max_payload_bytes <= 0):
             raise ConfigurationError(f"max_payload_bytes must be a positive int or None, got {max_payload_bytes!r}")
         self.schema = _sql.validate_schema(schema)
-        self.database = Database(url=database_url, pool=pool, max_size=pool_max_size)
+        self.database = Database.of(database, max_size=pool_max_size)
         self.on_unbound: Unbound = on_unbound
         self.max_payload_bytes = max_payload_bytes
         if (
@@ -238,7 +238,7 @@ class OutboxBroker(RabbitmqBroker):
             message.options.get("broker_priority"),
             message.options.get("eta"),
         )
-        conn = current_connection()
+        conn = bound_connection()
         if conn is not None:
             self._execute(conn, params)
             return
@@ -259,8 +259,8 @@ class OutboxBroker(RabbitmqBroker):
         while True:
             attempt += 1
             try:
-                wait_s = max(0.5, deadline - time.monotonic()) if deadline > time.monotonic() else None
-                with self.database.connection(timeout_s=wait_s) as pooled, pooled.transaction():
+                wait_ms = max(500, int((deadline - time.monotonic()) * 1000)) if deadline > time.monotonic() else None
+                with self.database.connection(timeout_ms=wait_ms) as pooled, pooled.transaction():
                     self._execute(pooled, params)
                 return
             except (OutboxWriteError, PoolTimeout, psycopg.OperationalError) as error:
@@ -344,7 +344,7 @@ class _TrackProcessing(Middleware):
             logger.warning(
                 "the Postgres pool holds %d connections for %d worker threads; transactional Idempotency holds "
                 "one per running job and the relay and dead letters need more: build the broker with "
-                "pool_max_size=%d (or pass a larger pool=)",
+                "pool_max_size=%d (or pass a larger pool as database=)",
                 size,
                 threads,
                 threads + 2,

@@ -28,16 +28,14 @@ from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.common import q_name
 from dramatiq.errors import BrokerConnectionError
 
-__all__ = ["BrokerUnavailable", "Outcome", "Publication", "Publisher"]
+from ..errors import BrokerUnavailable
+
+__all__ = ["Publication", "PublishOutcome", "Publisher"]
 
 logger = logging.getLogger("dramatiq_reliable.outbox.publisher")
 
 # Flush the socket every so many publishes so frames go out while we keep encoding.
 _FLUSH_EVERY = 128
-
-
-class BrokerUnavailable(Exception):
-    """RabbitMQ cannot be reached or the connection broke; no outcome is known for the batch."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +50,7 @@ class Publication:
 
 
 @dataclasses.dataclass
-class Outcome:
+class PublishOutcome:
     """What RabbitMQ said about each publication of a batch."""
 
     confirmed: list[int] = dataclasses.field(default_factory=list)
@@ -62,16 +60,16 @@ class Outcome:
 class Publisher:
     """Publishes batches to RabbitMQ with pipelined confirms.  Not thread-safe: one per relay thread."""
 
-    def __init__(self, parameters: Any, *, max_priority: int | None = None, confirm_timeout_s: float = 30.0) -> None:
+    def __init__(self, parameters: Any, *, max_priority: int | None = None, confirm_timeout_ms: int = 30_000) -> None:
         self._declarer = RabbitmqBroker(middleware=[], max_priority=max_priority)
         self._declarer.parameters = parameters
-        self._confirm_timeout_s = confirm_timeout_s
+        self._confirm_timeout_s = confirm_timeout_ms / 1000
         self._channel: Any = None  # pika.channel.Channel (the asynchronous one) in confirm mode
         self._blocking_channel: Any = None
         self._next_tag = 0
         self._pending: dict[int, Publication] = {}
         self._returned: dict[str, str] = {}
-        self._outcome = Outcome()
+        self._outcome = PublishOutcome()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -120,13 +118,13 @@ class Publisher:
 
     # -- publishing ------------------------------------------------------------------------
 
-    def publish(self, publications: Sequence[Publication]) -> Outcome:
+    def publish(self, publications: Sequence[Publication]) -> PublishOutcome:
         """Publish ``publications`` and wait for RabbitMQ to confirm each one.
 
         Raises ``BrokerUnavailable`` when the connection fails; otherwise every key is in
         ``confirmed`` or ``failed`` of the returned outcome.
         """
-        outcome = Outcome()
+        outcome = PublishOutcome()
         ready = self._declare_queues(publications, outcome)
         unresolved = self._publish_pipelined(ready, outcome) if ready else []
         # A channel error refused some message of the batch without saying which: publish the
@@ -138,7 +136,7 @@ class Publisher:
 
     _last_channel_error: str | None = None
 
-    def _declare_queues(self, publications: Sequence[Publication], outcome: Outcome) -> list[Publication]:
+    def _declare_queues(self, publications: Sequence[Publication], outcome: PublishOutcome) -> list[Publication]:
         by_queue: dict[str, list[Publication]] = {}
         for publication in publications:
             by_queue.setdefault(q_name(publication.routing_key), []).append(publication)
@@ -165,7 +163,7 @@ class Publisher:
             self._reset()
             raise BrokerUnavailable(f"RabbitMQ is unreachable: {_describe(error)}") from cause
 
-    def _publish_pipelined(self, publications: Sequence[Publication], outcome: Outcome) -> list[Publication]:
+    def _publish_pipelined(self, publications: Sequence[Publication], outcome: PublishOutcome) -> list[Publication]:
         """Publish and wait; return the publications left without an outcome by a channel error."""
         channel = self._open_channel()
         connection = self._declarer.connection

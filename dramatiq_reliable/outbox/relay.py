@@ -29,13 +29,15 @@ import psycopg
 from dramatiq.broker import Broker
 from dramatiq.middleware import Middleware
 from psycopg import sql
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import PoolTimeout
 
 from .. import _sql, events, schema
-from ..database import Database
-from ..errors import ConfigurationError, SchemaNotReady
+from .._util import first_line as _first_line
+from .._util import is_int as _is_int
+from ..database import Database, DatabaseLike
+from ..errors import BrokerUnavailable, ConfigurationError, SchemaNotReady
 from .broker import OUTBOX_SCHEMA_VERSION, OutboxBroker
-from .publisher import BrokerUnavailable, Publication, Publisher
+from .publisher import Publication, Publisher
 
 __all__ = [
     "OutboxBatchPublished",
@@ -43,6 +45,7 @@ __all__ = [
     "OutboxPublished",
     "OutboxRowFailed",
     "Relay",
+    "RelayOptions",
     "RelayPass",
     "RelayedMessage",
     "WorkerRelay",
@@ -133,12 +136,61 @@ class RelayPass:
         return self.published + self.failed
 
 
+@dataclasses.dataclass(frozen=True)
+class RelayOptions:
+    """How a relay runs; validated once, where it is built.  See :class:`Relay` for each field."""
+
+    batch_size: int = 500
+    poll_interval_ms: int = 1000
+    on_published: Literal["mark", "delete"] = "mark"
+    retention_ms: int | None = 24 * 3600 * 1000
+    purge_interval_ms: int = 60_000
+    max_priority: int | None = None
+    confirm_timeout_ms: int = 30_000
+    backoff_min_ms: int = 200
+    backoff_max_ms: int = 30_000
+    row_backoff_max_ms: int = 300_000
+    listen: bool = True
+
+    def __post_init__(self) -> None:
+        for name, minimum in (
+            ("batch_size", 1),
+            ("poll_interval_ms", 1),
+            ("purge_interval_ms", 1),
+            ("confirm_timeout_ms", 1),
+            ("backoff_min_ms", 1),
+            ("backoff_max_ms", self.backoff_min_ms if _is_int(self.backoff_min_ms) else 1),
+            ("row_backoff_max_ms", 1),
+        ):
+            value = getattr(self, name)
+            if not _is_int(value) or value < minimum:
+                raise ConfigurationError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if self.on_published not in ("mark", "delete"):
+            raise ConfigurationError(f"on_published must be 'mark' or 'delete', got {self.on_published!r}")
+        if self.retention_ms is not None and (not _is_int(self.retention_ms) or self.retention_ms < 0):
+            raise ConfigurationError(f"retention_ms must be a non-negative int or None, got {self.retention_ms!r}")
+        if self.max_priority is not None and (not _is_int(self.max_priority) or not 1 <= self.max_priority <= 255):
+            raise ConfigurationError(f"max_priority must be an int from 1 to 255 or None, got {self.max_priority!r}")
+        if not isinstance(self.listen, bool):
+            raise ConfigurationError(f"listen must be True or False, got {self.listen!r}")
+
+    @classmethod
+    def from_kwargs(cls, options: dict[str, Any], *, owner: str) -> RelayOptions:
+        """Options from keyword arguments, with a :class:`ConfigurationError` naming an unknown one."""
+        unknown = sorted(set(options) - {field.name for field in dataclasses.fields(cls)})
+        if unknown:
+            known = ", ".join(field.name for field in dataclasses.fields(cls))
+            raise ConfigurationError(f"{owner} got unknown options {unknown!r}; the relay options are: {known}")
+        return cls(**options)
+
+
 class Relay:
     """Forwards outbox rows to RabbitMQ.  Build it with :meth:`from_broker` in most apps.
 
     Parameters:
       rabbitmq_url: RabbitMQ URL (or ``parameters``: pika connection parameters).
-      database_url / pool / database: where the outbox lives (exactly one).
+      database: where the outbox lives: a URL, a ``psycopg_pool.ConnectionPool`` or a
+        :class:`~dramatiq_reliable.Database`.
       schema: the Postgres schema of the tables.
       batch_size: rows claimed and published per pass.
       poll_interval_ms: longest sleep between passes when no NOTIFY arrives.
@@ -151,6 +203,8 @@ class Relay:
       backoff_min_ms / backoff_max_ms: the wait after RabbitMQ or Postgres was unreachable.
       row_backoff_max_ms: the longest wait of a row that keeps failing on its own.
       listen: wake on NOTIFY; ``False`` polls only.
+
+    The options are validated once, as a :class:`RelayOptions`, kept as ``relay.options``.
     """
 
     def __init__(
@@ -158,60 +212,32 @@ class Relay:
         *,
         rabbitmq_url: str | None = None,
         parameters: Any = None,
-        database_url: str | None = None,
-        pool: ConnectionPool[Any] | None = None,
-        database: Database | None = None,
+        database: DatabaseLike,
         schema: str = _sql.DEFAULT_SCHEMA,
-        batch_size: int = 500,
-        poll_interval_ms: int = 1000,
-        on_published: Literal["mark", "delete"] = "mark",
-        retention_ms: int | None = 24 * 3600 * 1000,
-        purge_interval_ms: int = 60_000,
-        max_priority: int | None = None,
-        confirm_timeout_ms: int = 30_000,
-        backoff_min_ms: int = 200,
-        backoff_max_ms: int = 30_000,
-        row_backoff_max_ms: int = 300_000,
-        listen: bool = True,
+        **options: Any,
     ) -> None:
         import pika
 
         if (rabbitmq_url is None) == (parameters is None):
             raise ConfigurationError("pass exactly one of rabbitmq_url= and parameters= to Relay")
-        if database is None:
-            database = Database(url=database_url, pool=pool)
-        elif database_url is not None or pool is not None:
-            raise ConfigurationError("pass only one of database=, database_url= and pool= to Relay")
-        for name, value, minimum in (
-            ("batch_size", batch_size, 1),
-            ("poll_interval_ms", poll_interval_ms, 1),
-            ("purge_interval_ms", purge_interval_ms, 1),
-            ("confirm_timeout_ms", confirm_timeout_ms, 1),
-            ("backoff_min_ms", backoff_min_ms, 1),
-            ("backoff_max_ms", backoff_max_ms, backoff_min_ms),
-            ("row_backoff_max_ms", row_backoff_max_ms, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ConfigurationError(f"{name} must be an int >= {minimum}, got {value!r}")
-        if on_published not in ("mark", "delete"):
-            raise ConfigurationError(f"on_published must be 'mark' or 'delete', got {on_published!r}")
-        if retention_ms is not None and (not isinstance(retention_ms, int) or retention_ms < 0):
-            raise ConfigurationError(f"retention_ms must be a non-negative int or None, got {retention_ms!r}")
+        self.options = RelayOptions.from_kwargs(options, owner="Relay")
         self.schema = _sql.validate_schema(schema)
-        self.database = database
-        self.batch_size = batch_size
-        self.poll_interval_s = poll_interval_ms / 1000
-        self.on_published = on_published
-        self.retention_ms = retention_ms
-        self.purge_interval_s = purge_interval_ms / 1000
-        self.backoff_min_s = backoff_min_ms / 1000
-        self.backoff_max_s = backoff_max_ms / 1000
-        self.row_backoff_max_s = row_backoff_max_ms / 1000
-        self.listen = listen
+        self.database = Database.of(database)
+        self.batch_size = self.options.batch_size
+        self.poll_interval_s = self.options.poll_interval_ms / 1000
+        self.on_published = self.options.on_published
+        self.retention_ms = self.options.retention_ms
+        self.purge_interval_s = self.options.purge_interval_ms / 1000
+        self.backoff_min_s = self.options.backoff_min_ms / 1000
+        self.backoff_max_s = self.options.backoff_max_ms / 1000
+        self.row_backoff_max_s = self.options.row_backoff_max_ms / 1000
+        self.listen = self.options.listen
         if parameters is None:
             parameters = [pika.URLParameters(u) for u in str(rabbitmq_url).split(";")]
             parameters = parameters[0] if len(parameters) == 1 else parameters
-        self.publisher = Publisher(parameters, max_priority=max_priority, confirm_timeout_s=confirm_timeout_ms / 1000)
+        self.publisher = Publisher(
+            parameters, max_priority=self.options.max_priority, confirm_timeout_ms=self.options.confirm_timeout_ms
+        )
         self._stop = threading.Event()
         self._checked_schema = False
         self._listener: psycopg.Connection[Any] | None = None
@@ -292,7 +318,7 @@ class Relay:
                 break
         return total
 
-    def purge(self, *, older_than_ms: int | None = None, batch: int = 5000) -> int:
+    def purge(self, *, older_than_ms: int | None = None, batch_size: int = 5000) -> int:
         """Delete published rows older than ``older_than_ms`` (default: ``retention_ms``)."""
         if older_than_ms is None:
             if self.retention_ms is None:
@@ -300,7 +326,7 @@ class Relay:
                     "this relay keeps published rows (retention_ms=None); pass older_than_ms= to purge()"
                 )
             older_than_ms = self.retention_ms
-        return purge_published(self.database, schema=self.schema, older_than_ms=older_than_ms, batch=batch)
+        return purge_published(self.database, schema=self.schema, older_than_ms=older_than_ms, batch_size=batch_size)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -406,21 +432,22 @@ class Relay:
                 return
 
 
-def purge_published(database: Database, *, schema: str, older_than_ms: int, batch: int = 5000) -> int:
+def purge_published(database: DatabaseLike, *, schema: str, older_than_ms: int, batch_size: int = 5000) -> int:
     """Delete published outbox rows older than ``older_than_ms``, in batches; return the count."""
+    database = Database.of(database)
     if isinstance(older_than_ms, bool) or not isinstance(older_than_ms, int) or older_than_ms < 0:
         raise ConfigurationError(f"older_than_ms must be a non-negative int, got {older_than_ms!r}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ConfigurationError(f"batch must be a positive int, got {batch!r}")
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ConfigurationError(f"batch_size must be a positive int, got {batch_size!r}")
     total = 0
     while True:
         with database.connection() as conn, conn.transaction():
             deleted = conn.execute(
                 _sql.query("outbox_purge", _sql.validate_schema(schema)),
-                {"older_than_s": older_than_ms / 1000, "batch": batch},
+                {"older_than_s": older_than_ms / 1000, "batch": batch_size},
             ).rowcount
         total += deleted
-        if deleted < batch:
+        if deleted < batch_size:
             return total
 
 
@@ -431,23 +458,18 @@ class WorkerRelay(Middleware):
     in the same pass.  The thread starts when the worker boots and stops, finishing its batch,
     when the worker shuts down.
 
-    >>> broker = OutboxBroker(url=..., database_url=...)        # doctest: +SKIP
+    >>> broker = OutboxBroker(url=..., database=...)        # doctest: +SKIP
     >>> broker.add_middleware(WorkerRelay())                     # doctest: +SKIP
     """
 
     def __init__(self, **relay_options: Any) -> None:
-        for taken in ("rabbitmq_url", "parameters", "database_url", "pool", "database"):
+        for taken in ("rabbitmq_url", "parameters", "database", "schema"):
             if taken in relay_options:
                 raise ConfigurationError(
                     f"WorkerRelay takes {taken}= from the OutboxBroker; drop it and configure the broker instead"
                 )
-        try:
-            # Validate now, where the mistake is made: at worker boot Dramatiq would only log it.
-            Relay(rabbitmq_url="amqp://localhost", database_url="postgresql://localhost", **relay_options)
-        except TypeError as error:
-            raise ConfigurationError(
-                f"WorkerRelay got an unknown option: {error}; see Relay for the options"
-            ) from error
+        # Validate now, where the mistake is made: at worker boot Dramatiq would only log it.
+        RelayOptions.from_kwargs(relay_options, owner="WorkerRelay")
         self.relay_options = relay_options
         self.relay: Relay | None = None
         self._thread: threading.Thread | None = None
@@ -468,7 +490,3 @@ class WorkerRelay(Middleware):
             self._thread.join(timeout=30)
             self.relay = None
             self._thread = None
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0]

@@ -19,8 +19,8 @@ from dramatiq_reliable.testing import wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.acceptance]
 
 
-def _cli(*args: str, database_url: str, rabbitmq_url: str | None = None) -> list[str]:
-    command = [sys.executable, "-m", "dramatiq_reliable.cli", *args, "--database-url", database_url]
+def _cli(*args: str, database: str, rabbitmq_url: str | None = None) -> list[str]:
+    command = [sys.executable, "-m", "dramatiq_reliable", *args, "--database-url", database]
     if rabbitmq_url:
         command += ["--rabbitmq-url", rabbitmq_url]
     return command
@@ -46,14 +46,12 @@ def test_relay_killed_with_sigkill_mid_backlog_loses_no_message(
 ):
     sent = _send_many(broker, queue_name, 20_000)
     relay = subprocess.Popen(
-        _cli(
-            "relay", "--schema", db_schema, "--batch-size", "100", database_url=database_url, rabbitmq_url=rabbitmq_url
-        ),
+        _cli("relay", "--schema", db_schema, "--batch-size", "100", database=database_url, rabbitmq_url=rabbitmq_url),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_for(lambda: _published(db, db_schema) >= 1000, timeout_s=60, message="relay made no progress")
+        wait_for(lambda: _published(db, db_schema) >= 1000, timeout_ms=60000, message="relay made no progress")
         relay.send_signal(signal.SIGKILL)
         relay.wait(timeout=10)
     finally:
@@ -63,7 +61,7 @@ def test_relay_killed_with_sigkill_mid_backlog_loses_no_message(
     assert published_before_kill < 20_000, "the relay finished before the kill; the test proved nothing"
 
     subprocess.run(
-        _cli("relay", "--once", "--schema", db_schema, database_url=database_url, rabbitmq_url=rabbitmq_url),
+        _cli("relay", "--once", "--schema", db_schema, database=database_url, rabbitmq_url=rabbitmq_url),
         check=True,
         capture_output=True,
     )
@@ -80,15 +78,13 @@ def test_relay_exits_cleanly_on_sigterm_and_leaves_no_row_locked(
 ):
     sent = _send_many(broker, queue_name, 5_000)
     relay = subprocess.Popen(
-        _cli(
-            "relay", "--schema", db_schema, "--batch-size", "50", database_url=database_url, rabbitmq_url=rabbitmq_url
-        ),
+        _cli("relay", "--schema", db_schema, "--batch-size", "50", database=database_url, rabbitmq_url=rabbitmq_url),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        wait_for(lambda: _published(db, db_schema) >= 100, timeout_s=60, message="relay made no progress")
+        wait_for(lambda: _published(db, db_schema) >= 100, timeout_ms=60000, message="relay made no progress")
         relay.send_signal(signal.SIGTERM)
         _, stderr = relay.communicate(timeout=20)
     finally:
@@ -98,7 +94,7 @@ def test_relay_exits_cleanly_on_sigterm_and_leaves_no_row_locked(
     assert "finishing the batch in hand" in stderr
     # Whatever it published is marked; the rest is claimable at once (no lock left behind).
     subprocess.run(
-        _cli("relay", "--once", "--schema", db_schema, database_url=database_url, rabbitmq_url=rabbitmq_url),
+        _cli("relay", "--once", "--schema", db_schema, database=database_url, rabbitmq_url=rabbitmq_url),
         check=True,
         capture_output=True,
     )
@@ -107,7 +103,7 @@ def test_relay_exits_cleanly_on_sigterm_and_leaves_no_row_locked(
 
 def test_cli_migrate_sql_stats_and_exit_codes(database_url, unmigrated_schema, rabbitmq_url):
     printed = subprocess.run(
-        _cli("migrate", "--sql", "--schema", unmigrated_schema, database_url=database_url),
+        _cli("migrate", "--sql", "--schema", unmigrated_schema, database=database_url),
         check=True,
         capture_output=True,
         text=True,
@@ -115,7 +111,7 @@ def test_cli_migrate_sql_stats_and_exit_codes(database_url, unmigrated_schema, r
     assert f'CREATE TABLE "{unmigrated_schema}".outbox' in printed
 
     missing = subprocess.run(
-        _cli("outbox", "stats", "--schema", unmigrated_schema, database_url=database_url),
+        _cli("outbox", "stats", "--schema", unmigrated_schema, database=database_url),
         capture_output=True,
         text=True,
     )
@@ -123,9 +119,9 @@ def test_cli_migrate_sql_stats_and_exit_codes(database_url, unmigrated_schema, r
     assert "dramatiq-reliable migrate" in missing.stderr
     assert "Traceback" not in missing.stderr
 
-    subprocess.run(_cli("migrate", "--schema", unmigrated_schema, database_url=database_url), check=True)
+    subprocess.run(_cli("migrate", "--schema", unmigrated_schema, database=database_url), check=True)
     stats = subprocess.run(
-        _cli("outbox", "stats", "--json", "--schema", unmigrated_schema, database_url=database_url),
+        _cli("outbox", "stats", "--json", "--schema", unmigrated_schema, database=database_url),
         check=True,
         capture_output=True,
         text=True,
@@ -133,7 +129,7 @@ def test_cli_migrate_sql_stats_and_exit_codes(database_url, unmigrated_schema, r
     assert json.loads(stats.stdout) == {"backlog": 0, "failing": 0, "oldest_age_s": 0.0}
 
     unreachable = subprocess.run(
-        _cli("outbox", "stats", "--schema", unmigrated_schema, database_url="postgresql://nobody:secret@127.0.0.1:1/x"),
+        _cli("outbox", "stats", "--schema", unmigrated_schema, database="postgresql://nobody:secret@127.0.0.1:1/x"),
         capture_output=True,
         text=True,
         env={**os.environ, "PGCONNECT_TIMEOUT": "2"},

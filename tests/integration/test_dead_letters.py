@@ -25,12 +25,12 @@ from support import TcpProxy
 from dramatiq_reliable import ClassifiedRetries, OutboxBroker, Unrecoverable, WorkerRelay, events
 from dramatiq_reliable.dead_letters import (
     DeadLetter,
+    DeadLetterCaptured,
+    DeadLetterCaptureFailed,
     DeadLetterFilter,
     DeadLetters,
     DeadLettersReplayed,
     DeadLetterStore,
-    DeadLetterStored,
-    DeadLetterStoreFailed,
     notify_channel,
 )
 from dramatiq_reliable.testing import drain_outbox, wait_for
@@ -48,9 +48,7 @@ def make_broker(rabbitmq_url: str, database_url: str, db_schema: str) -> Iterato
     made: list[OutboxBroker] = []
 
     def make(*middleware: Any) -> OutboxBroker:
-        broker = OutboxBroker(
-            url=rabbitmq_url, database_url=database_url, schema=db_schema, middleware=list(middleware)
-        )
+        broker = OutboxBroker(url=rabbitmq_url, database=database_url, schema=db_schema, middleware=list(middleware))
         dramatiq.set_broker(broker)
         made.append(broker)
         return broker
@@ -115,7 +113,7 @@ def _outbox(db: psycopg.Connection[Any], db_schema: str) -> list[tuple[Any, ...]
 
 
 def _wait_dead(db: psycopg.Connection[Any], db_schema: str, count: int = 1, **kwargs: Any) -> list[dict[str, Any]]:
-    return wait_for(lambda: (rows := _dead(db, db_schema, **kwargs)) and len(rows) >= count and rows, timeout_s=20)
+    return wait_for(lambda: (rows := _dead(db, db_schema, **kwargs)) and len(rows) >= count and rows, timeout_ms=20000)
 
 
 def _capture(
@@ -167,7 +165,7 @@ def test_exhausted_retries_land_once_with_the_last_traceback_and_every_attempt_c
     run_worker(broker)
     message = task.send(7)
 
-    wait_for(lambda: rabbit.count(xq_name(queue_name)) == 1, timeout_s=20, message="message never reached .XQ")
+    wait_for(lambda: rabbit.count(xq_name(queue_name)) == 1, timeout_ms=20000, message="message never reached .XQ")
     [row] = _wait_dead(db, db_schema)
     assert len(attempts) == 3
     assert row["message_id"] == message.message_id
@@ -186,7 +184,7 @@ def test_exhausted_retries_land_once_with_the_last_traceback_and_every_attempt_c
     assert row["queue_name"] == queue_name and row["state"] == "dead"
     # The alerting hook and the event saw the same row.
     assert [item.id for item in hooked] == [row["id"]]
-    assert [e.dead_letter_id for e in seen_events if isinstance(e, DeadLetterStored)] == [row["id"]]
+    assert [e.dead_letter_id for e in seen_events if isinstance(e, DeadLetterCaptured)] == [row["id"]]
 
 
 def test_throws_unknown_actor_and_age_limit_are_each_stored_with_their_reason(
@@ -211,7 +209,7 @@ def test_throws_unknown_actor_and_age_limit_are_each_stored_with_their_reason(
     broker.enqueue(ghost)
 
     rows = {row["message_id"]: row for row in _wait_dead(db, db_schema, count=3)}
-    wait_for(lambda: rabbit.count(xq_name(queue_name)) == 3, timeout_s=20)
+    wait_for(lambda: rabbit.count(xq_name(queue_name)) == 3, timeout_ms=20000)
     assert (rows[sent_throws.message_id]["reason"], rows[sent_throws.message_id]["attempts"]) == ("throws", 1)
     assert rows[sent_throws.message_id]["error_type"] == "KeyError"
     assert (rows[sent_aged.message_id]["reason"], rows[sent_aged.message_id]["attempts"]) == ("max_age", 0)
@@ -277,7 +275,7 @@ def test_classified_retries_decisions_are_stored_with_reason_and_http_status(
     assert (gone["reason"], gone["attempts"], gone["error_type"]) == (
         "unrecoverable",
         1,
-        "dramatiq_reliable.errors.Unrecoverable",
+        "dramatiq_reliable.Unrecoverable",
     )
     assert gone["retry_decision"]["category"] == "permanent"
     missing = rows[ids["not_found"]]
@@ -292,7 +290,7 @@ def test_postgres_down_at_capture_still_leaves_the_message_in_the_xq_and_says_so
 ):
     proxy = TcpProxy("127.0.0.1", 5432).start()
     proxy.stop()  # an outage: connections to the proxy's port are refused
-    down = DeadLetters(database_url=f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres", timeout_ms=300)
+    down = DeadLetters(database=f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres", timeout_ms=300)
     broker = make_broker(*_middleware(down))
 
     def fails(n: int) -> None:
@@ -302,7 +300,7 @@ def test_postgres_down_at_capture_still_leaves_the_message_in_the_xq_and_says_so
     run_worker(broker)
     with caplog.at_level(logging.CRITICAL, logger="dramatiq_reliable.dead_letters"):
         message = task.send(1)
-        wait_for(lambda: rabbit.count(xq_name(queue_name)) == 1, timeout_s=20, message="the nack did not happen")
+        wait_for(lambda: rabbit.count(xq_name(queue_name)) == 1, timeout_ms=20000, message="the nack did not happen")
 
     [body] = rabbit.take_all(xq_name(queue_name), expect=1)
     assert body["message_id"] == message.message_id
@@ -310,7 +308,7 @@ def test_postgres_down_at_capture_still_leaves_the_message_in_the_xq_and_says_so
     assert any(
         message.message_id in record.getMessage() and "NOT stored" in record.getMessage() for record in caplog.records
     )
-    [failed] = [e for e in seen_events if isinstance(e, DeadLetterStoreFailed)]
+    [failed] = [e for e in seen_events if isinstance(e, DeadLetterCaptureFailed)]
     assert failed.message_id == message.message_id and failed.dead_letter_queue == xq_name(queue_name)
 
 
@@ -386,7 +384,7 @@ def test_replay_by_id_and_by_filter_runs_the_jobs_again_through_the_outbox_with_
 
     one = store.replay(ids=[by_message[sent[0].message_id]])
     assert (one.replayed, one.problems) == (1, {})
-    wait_for(lambda: len(runs) == 1, timeout_s=20)
+    wait_for(lambda: len(runs) == 1, timeout_ms=20000)
     name, message_id, options = runs[0]
     assert (name, message_id) == ("first", sent[0].message_id)
     assert options["replay_of"]["dead_letter_id"] == by_message[sent[0].message_id]
@@ -394,7 +392,7 @@ def test_replay_by_id_and_by_filter_runs_the_jobs_again_through_the_outbox_with_
 
     bulk = store.replay(where=DeadLetterFilter(actor_name=f"{queue_name}_first"))
     assert bulk.replayed == 2
-    wait_for(lambda: len(runs) == 3, timeout_s=20)
+    wait_for(lambda: len(runs) == 3, timeout_ms=20000)
     assert sorted(message_id for _, message_id, _ in runs) == sorted(m.message_id for m in sent[:3])
     states = {row["message_id"]: row["state"] for row in _dead(db, db_schema)}
     assert states == {**{m.message_id: "replayed" for m in sent[:3]}, sent[3].message_id: "dead"}
@@ -583,8 +581,8 @@ def test_bulk_replay_reports_progress_batch_by_batch(broker, db_schema):
 def test_store_and_middleware_refuse_bad_arguments_with_the_fix(broker):
     from dramatiq_reliable import ConfigurationError
 
-    with pytest.raises(ConfigurationError, match="exactly one of"):
-        DeadLetterStore()
+    with pytest.raises(TypeError, match="database"):
+        DeadLetterStore()  # type: ignore[call-arg]
     with pytest.raises(ConfigurationError, match="where=DeadLetterFilter"):
         DeadLetterStore.from_broker(broker).replay()
     with pytest.raises(ConfigurationError, match="canonical"):

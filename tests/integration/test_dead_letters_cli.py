@@ -17,9 +17,9 @@ from dramatiq.message import Message
 from psycopg import sql
 
 from dramatiq_reliable import OutboxBroker
-from dramatiq_reliable.cli import ExitCode
+from dramatiq_reliable.cli import ExitCode, main
+from dramatiq_reliable.cli.dead_letters import NOT_FOUND, REFUSED
 from dramatiq_reliable.dead_letters import DeadLetter, DeadLetters
-from dramatiq_reliable.dead_letters_cli import NOT_FOUND, REFUSED, main
 
 pytestmark = pytest.mark.integration
 
@@ -229,7 +229,7 @@ def test_a_missing_schema_and_an_unreachable_database_have_their_own_exit_codes(
 
 def test_the_module_runs_as_a_command_with_the_same_exit_codes(broker, database_url, db_schema):
     _capture(broker)
-    base = [sys.executable, "-m", "dramatiq_reliable.dead_letters_cli"]
+    base = [sys.executable, "-m", "dramatiq_reliable"]
     common = ["--database-url", database_url, "--schema", db_schema]
     listing = subprocess.run(
         [*base, "dead-letters", "list", "--json", *common], capture_output=True, text=True, timeout=60, check=False

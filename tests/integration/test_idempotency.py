@@ -26,8 +26,8 @@ from support import TcpProxy
 from dramatiq_reliable import OutboxBroker, WorkerRelay, events
 from dramatiq_reliable.idempotency import (
     Idempotency,
-    connection,
     external_key,
+    job_connection,
     make_purge_actor,
     purge_expired,
 )
@@ -107,7 +107,7 @@ def test_the_same_message_delivered_twice_in_a_row_has_one_effect(
 
     @dramatiq.actor(queue_name=queue_name, broker=broker)
     def record(n: int) -> None:
-        connection().execute(f"INSERT INTO {effects} (n) VALUES (%s)", (n,))
+        job_connection().execute(f"INSERT INTO {effects} (n) VALUES (%s)", (n,))
 
     worker.start()
     message = record.send(1)
@@ -129,7 +129,7 @@ def test_a_duplicate_delivered_while_the_first_runs_waits_for_it_then_skips(
 
     @dramatiq.actor(queue_name=queue_name, broker=broker)
     def slow(n: int) -> None:
-        conn = connection()
+        conn = job_connection()
         conn.execute(f"INSERT INTO {effects} (n) VALUES (%s)", (n,))
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock,))  # held by the test: the job blocks
 
@@ -139,12 +139,12 @@ def test_a_duplicate_delivered_while_the_first_runs_waits_for_it_then_skips(
     broker.enqueue(message)  # two deliveries of one message, one per worker thread
     worker.start()
     try:
-        wait_for(lambda: _waiting_on_advisory(db, lock) == 1, timeout_s=15, message="the first run never started")
-        wait_for(lambda: _waiting_on_key(db, db_schema) == 1, timeout_s=15, message="the duplicate did not wait")
+        wait_for(lambda: _waiting_on_advisory(db, lock) == 1, timeout_ms=15000, message="the first run never started")
+        wait_for(lambda: _waiting_on_key(db, db_schema) == 1, timeout_ms=15000, message="the duplicate did not wait")
         assert _count(db, effects) == 0  # nothing is visible before the first run commits
     finally:
         db.execute("SELECT pg_advisory_unlock(%s)", (lock,))
-    wait_for(lambda: _named(seen, "idempotency.duplicate"), timeout_s=15, message="the duplicate was not skipped")
+    wait_for(lambda: _named(seen, "idempotency.duplicate"), timeout_ms=15000, message="the duplicate was not skipped")
     assert _count(db, effects) == 1
     assert len(_keys(db, db_schema)) == 1
 
@@ -154,7 +154,7 @@ def test_two_sends_with_the_same_business_key_have_one_effect(broker, queue_name
 
     @dramatiq.actor(queue_name=queue_name, broker=broker, idempotency_key=lambda order_id: f"invoice-{order_id}")
     def issue_invoice(order_id: int) -> None:
-        connection().execute(f"INSERT INTO {effects} (n) VALUES (%s)", (order_id,))
+        job_connection().execute(f"INSERT INTO {effects} (n) VALUES (%s)", (order_id,))
 
     worker.start()
     first = issue_invoice.send(42)
@@ -174,7 +174,7 @@ def test_reusing_a_key_with_other_arguments_fails_the_message_loudly(
 
     @dramatiq.actor(queue_name=queue_name, broker=broker)
     def charge(amount: int) -> None:
-        connection().execute(f"INSERT INTO {effects} (n) VALUES (%s)", (amount,))
+        job_connection().execute(f"INSERT INTO {effects} (n) VALUES (%s)", (amount,))
 
     worker.start()
     charge.send_with_options(args=(100,), idempotency_key="order-7")
@@ -215,14 +215,14 @@ def test_an_actor_that_raises_leaves_no_key_no_writes_no_sends_and_its_retry_run
                         _count(other, f'"{db_schema}".outbox', "actor_name = %s", (child.actor_name,)),
                     )
                 )
-        connection().execute(f"INSERT INTO {effects} (n) VALUES (%s)", (n,))
+        job_connection().execute(f"INSERT INTO {effects} (n) VALUES (%s)", (n,))
         child.send(n)
         if len(attempts) == 1:
             raise RuntimeError("first attempt fails after writing and sending")
 
     worker.start()
     message = flaky.send(5)
-    wait_for(lambda: children, timeout_s=20, message="the retry never succeeded")
+    wait_for(lambda: children, timeout_ms=20000, message="the retry never succeeded")
     # Between the attempts: no effect row, no key, no child message from the failed attempt.
     assert observed == [(0, 0, 0)]
     assert attempts == [5, 5] and children == [5]
@@ -249,7 +249,7 @@ def test_a_pipeline_step_commits_in_the_same_transaction_as_the_key_of_the_step_
 
     @dramatiq.actor(queue_name=queue_name, broker=broker)
     def step(n: int, previous: int | None = None) -> int:
-        connection().execute(f"INSERT INTO {effects} (n) VALUES (%s)", (n,))
+        job_connection().execute(f"INSERT INTO {effects} (n) VALUES (%s)", (n,))
         return n
 
     first, second = step.message(1), step.message(2)
@@ -289,16 +289,16 @@ def test_a_worker_killed_mid_job_has_one_effect_after_redelivery(
     first = _spawn(script, env)
     second = None
     try:
-        wait_for(lambda: _waiting_on_advisory(db, lock) == 1, timeout_s=20, message="the job never started")
+        wait_for(lambda: _waiting_on_advisory(db, lock) == 1, timeout_ms=20000, message="the job never started")
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)
         second = _spawn(script, env)
         # The redelivered message waits on the key the dead worker's transaction still holds.
-        wait_for(lambda: _waiting_on_key(db, db_schema) == 1, timeout_s=20, message="the redelivery never waited")
+        wait_for(lambda: _waiting_on_key(db, db_schema) == 1, timeout_ms=20000, message="the redelivery never waited")
         db.execute("SELECT pg_advisory_unlock(%s)", (lock,))
         # The dead worker's backend now notices its client is gone and rolls back; the
         # redelivery claims the key and runs.
-        wait_for(lambda: _keys(db, db_schema), timeout_s=20, message="the redelivered message never committed")
+        wait_for(lambda: _keys(db, db_schema), timeout_ms=20000, message="the redelivered message never committed")
         assert _count(db, effects) == 1
         assert _keys(db, db_schema) == [("slow_effect", message.message_id, message.message_id)]
     finally:
@@ -321,12 +321,12 @@ def test_postgres_unreachable_during_the_check_stops_the_actor_and_retries_until
     )
     runs: list[int] = []
     try:
-        _install(broker, pool=pool, schema=db_schema, connection_timeout_s=0.3)
+        _install(broker, database=pool, schema=db_schema, connection_timeout_ms=300)
 
         @dramatiq.actor(queue_name=queue_name, broker=broker, max_retries=200, min_backoff=50, max_backoff=200)
         def record(n: int) -> None:
             runs.append(n)
-            connection().execute(f"INSERT INTO {effects} (n) VALUES (%s)", (n,))
+            job_connection().execute(f"INSERT INTO {effects} (n) VALUES (%s)", (n,))
 
         pool.wait(timeout=10)
         proxy.stop()  # an outage: the pooled connection is cut, new ones are refused
@@ -334,7 +334,7 @@ def test_postgres_unreachable_during_the_check_stops_the_actor_and_retries_until
         message = record.send(1)
         wait_for(
             lambda: len(_named(seen, "idempotency.unavailable")) >= 3,
-            timeout_s=20,
+            timeout_ms=20000,
             message="the check did not fail closed",
         )
         assert runs == []
@@ -349,7 +349,7 @@ def test_postgres_unreachable_during_the_check_stops_the_actor_and_retries_until
         assert retries >= 2
         assert {e["message_id"] for e in _named(seen, "idempotency.unavailable")} == {message.message_id}
         proxy.start()
-        wait_for(lambda: _keys(db, db_schema), timeout_s=40, message="the message never ran after the outage")
+        wait_for(lambda: _keys(db, db_schema), timeout_ms=40000, message="the message never ran after the outage")
         assert runs == [1]
         assert _count(db, effects) == 1
     finally:
@@ -365,7 +365,7 @@ def test_an_actor_that_swallows_a_database_error_is_failed_not_acked(
 
     @dramatiq.actor(queue_name=queue_name, broker=broker)
     def careless() -> None:
-        conn = connection()
+        conn = job_connection()
         conn.execute(f"INSERT INTO {effects} (n) VALUES (1)")
         with contextlib.suppress(psycopg.errors.DivisionByZero):
             # The transaction is now aborted: committing it would quietly roll back.
@@ -387,7 +387,7 @@ def test_a_job_whose_commit_failed_is_dead_lettered_with_the_reason(broker, queu
     @dramatiq.actor(queue_name=queue_name, broker=broker)
     def careless() -> None:
         with contextlib.suppress(psycopg.errors.DivisionByZero):
-            connection().execute("SELECT 1 / 0")
+            job_connection().execute("SELECT 1 / 0")
 
     worker.start()
     careless.send()
@@ -446,7 +446,7 @@ def test_record_mode_records_after_success_and_skips_a_later_duplicate(
 
     worker.start()
     first = charge.send(8812)
-    wait_for(lambda: _keys(db, db_schema), timeout_s=20, message="the key was never recorded")
+    wait_for(lambda: _keys(db, db_schema), timeout_ms=20000, message="the key was never recorded")
     charge.send(8812)
     wait_for(lambda: _named(seen, "idempotency.duplicate"), message="the duplicate was not skipped")
     assert len(calls) == 2 and calls[0] == calls[1], "the external key must be the same on every attempt"
@@ -467,7 +467,7 @@ def test_record_mode_under_a_busy_worker_records_each_message_once_and_acks_it(b
     worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=8)
     worker.start()
     try:
-        wait_for(lambda: len(_keys(db, db_schema)) == 120, timeout_s=30, message="not every key was recorded")
+        wait_for(lambda: len(_keys(db, db_schema)) == 120, timeout_ms=30000, message="not every key was recorded")
         broker.join(queue_name, timeout=10_000)
     finally:
         worker.stop()
@@ -486,7 +486,7 @@ def test_an_expired_key_no_longer_dedupes_and_the_purge_deletes_only_expired_key
 
     @dramatiq.actor(queue_name=queue_name, broker=broker)
     def record(n: int) -> None:
-        connection().execute(f"INSERT INTO {effects} (n) VALUES (%s)", (n,))
+        job_connection().execute(f"INSERT INTO {effects} (n) VALUES (%s)", (n,))
 
     worker.start()
     old = record.send(1)
@@ -528,16 +528,16 @@ WORKER_SCRIPT = textwrap.dedent(
     from dramatiq.middleware import Callbacks
 
     from dramatiq_reliable import OutboxBroker
-    from dramatiq_reliable.idempotency import Idempotency, connection
+    from dramatiq_reliable import Idempotency, job_connection
 
     schema = os.environ["SCHEMA"]
-    broker = OutboxBroker(url=os.environ["RABBITMQ_URL"], database_url=os.environ["DATABASE_URL"], schema=schema)
+    broker = OutboxBroker(url=os.environ["RABBITMQ_URL"], database=os.environ["DATABASE_URL"], schema=schema)
     broker.add_middleware(Idempotency(), before=Callbacks)
 
 
     @dramatiq.actor(broker=broker, queue_name=os.environ["QUEUE"], actor_name="slow_effect")
     def slow_effect(n):
-        conn = connection()
+        conn = job_connection()
         conn.execute(f'INSERT INTO "{schema}".effects (n) VALUES (%s)', (n,))
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (int(os.environ["LOCK"]),))
 

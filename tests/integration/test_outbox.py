@@ -25,7 +25,7 @@ from dramatiq_reliable import (
     events,
     schema,
 )
-from dramatiq_reliable.outbox.publisher import BrokerUnavailable
+from dramatiq_reliable.errors import BrokerUnavailable
 from dramatiq_reliable.testing import drain_outbox, wait_for
 
 pytestmark = pytest.mark.integration
@@ -98,7 +98,7 @@ def test_unbound_send_commits_on_its_own_by_default(broker, queue_name, db, db_s
 
 
 def test_unbound_send_is_refused_when_configured(rabbitmq_url, database_url, db_schema, queue_name, db):
-    strict = OutboxBroker(url=rabbitmq_url, database_url=database_url, schema=db_schema, on_unbound="error")
+    strict = OutboxBroker(url=rabbitmq_url, database=database_url, schema=db_schema, on_unbound="error")
     try:
         task = _actor(strict, queue_name)
         with pytest.raises(NotBound, match=r"broker\.transaction\(\)"):
@@ -126,7 +126,7 @@ def test_large_payload_warns(broker, queue_name, caplog):
 
 
 def test_missing_schema_names_the_migrate_command(rabbitmq_url, database_url, unmigrated_schema, queue_name):
-    bare = OutboxBroker(url=rabbitmq_url, database_url=database_url, schema=unmigrated_schema)
+    bare = OutboxBroker(url=rabbitmq_url, database=database_url, schema=unmigrated_schema)
     try:
         task = _actor(bare, queue_name)
         with pytest.raises(SchemaNotReady, match=f"dramatiq-reliable migrate --schema {unmigrated_schema}"):
@@ -158,7 +158,7 @@ def test_worker_runs_delayed_message_not_before_its_eta(broker, queue_name, work
     worker.start()
     sent_at = time.time()
     task.send_with_options(delay=1500)
-    wait_for(lambda: runs, timeout_s=20, message="the delayed message never ran")
+    wait_for(lambda: runs, timeout_ms=20000, message="the delayed message never ran")
     assert runs[0] - sent_at >= 1.5
 
 
@@ -174,7 +174,7 @@ def test_retry_enqueued_inside_a_worker_goes_through_the_outbox(broker, queue_na
     broker.add_middleware(WorkerRelay(poll_interval_ms=50))
     worker.start()
     message = task.send()
-    wait_for(lambda: len(attempts) == 2, timeout_s=20, message="the retry never ran")
+    wait_for(lambda: len(attempts) == 2, timeout_ms=20000, message="the retry never ran")
     rows = _rows(db, db_schema)
     # The original send and its retry, with the same message_id, the retry via the delay queue.
     assert [row[0] for row in rows] == [message.message_id, message.message_id]
@@ -232,7 +232,7 @@ def test_rabbitmq_unreachable_then_back_delivers_everything(broker, queue_name, 
         assert all(row[2] == 0 and row[4] is None for row in rows), "an outage must not burn attempts"
         proxy.start()
         try:
-            wait_for(lambda: rabbit.count(queue_name) >= 200, timeout_s=30, message="backlog not drained")
+            wait_for(lambda: rabbit.count(queue_name) >= 200, timeout_ms=30000, message="backlog not drained")
         finally:
             relay.stop()
     proxy.stop()
@@ -265,7 +265,7 @@ def test_relay_wakes_on_notify_and_listens_again_after_a_dropped_connection(brok
     with running(relay.run, relay.stop):
         wait_for(lambda: relay._listener is not None, message="relay never listened")
         task.send(1)
-        wait_for(lambda: rabbit.count(queue_name) == 1, timeout_s=10, message="NOTIFY did not wake the relay")
+        wait_for(lambda: rabbit.count(queue_name) == 1, timeout_ms=10000, message="NOTIFY did not wake the relay")
         pid = relay._listener.info.backend_pid
         db.execute("SELECT pg_terminate_backend(%s)", (pid,))
         # The relay notices on its next wait slice, backs off and listens again on a new connection.
@@ -273,11 +273,11 @@ def test_relay_wakes_on_notify_and_listens_again_after_a_dropped_connection(brok
             lambda: (
                 relay._listener is not None and relay._listener.info.backend_pid != pid and not relay._listener.closed
             ),
-            timeout_s=15,
+            timeout_ms=15000,
             message="relay did not listen again",
         )
         task.send(2)
-        wait_for(lambda: rabbit.count(queue_name) == 2, timeout_s=10, message="no wake-up after re-listening")
+        wait_for(lambda: rabbit.count(queue_name) == 2, timeout_ms=10000, message="no wake-up after re-listening")
 
 
 def test_purge_deletes_published_rows_past_retention_only(broker, queue_name, db, db_schema):
@@ -343,7 +343,7 @@ def test_a_retry_that_cannot_be_written_is_dead_lettered_in_rabbitmq_not_acked_a
     real = psycopg.conninfo.conninfo_to_dict(database_url)
     proxy = TcpProxy(str(real.get("host", "127.0.0.1")), int(real.get("port", 5432))).start()
     proxied = psycopg.conninfo.make_conninfo(database_url, host="127.0.0.1", port=proxy.port, connect_timeout=2)
-    broker = OutboxBroker(url=rabbitmq_url, database_url=proxied, schema=db_schema, worker_write_timeout_ms=300)
+    broker = OutboxBroker(url=rabbitmq_url, database=proxied, schema=db_schema, worker_write_timeout_ms=300)
 
     def fails_while_postgres_is_away() -> None:
         proxy.stop()  # Postgres becomes unreachable before Dramatiq enqueues the retry
@@ -355,7 +355,9 @@ def test_a_retry_that_cannot_be_written_is_dead_lettered_in_rabbitmq_not_acked_a
     worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=1)
     worker.start()
     try:
-        (dead,) = wait_for(lambda: rabbit.take_all(xq_name(queue_name)), timeout_s=30, message="retry was acked away")
+        (dead,) = wait_for(
+            lambda: rabbit.take_all(xq_name(queue_name)), timeout_ms=30000, message="retry was acked away"
+        )
     finally:
         worker.stop()
         broker.close()
@@ -376,7 +378,7 @@ def test_middleware_hear_about_a_failed_outbox_insert(rabbitmq_url, database_url
         def after_enqueue_failed(self, broker, message, delay, *, exception):
             seen.append((type(exception).__name__, message.message_id))
 
-    bare = OutboxBroker(url=rabbitmq_url, database_url=database_url, schema=unmigrated_schema)
+    bare = OutboxBroker(url=rabbitmq_url, database=database_url, schema=unmigrated_schema)
     bare.add_middleware(Recorder())
     try:
         task = _actor(bare, queue_name)

@@ -13,8 +13,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
-from dramatiq_reliable import OutboxBroker, WorkerRelay, bind
-from dramatiq_reliable.idempotency import Idempotency, connection
+from dramatiq_reliable import Idempotency, OutboxBroker, WorkerRelay, bind, job_connection
 from dramatiq_reliable.testing import drain_outbox, wait_for
 
 pytestmark = pytest.mark.integration
@@ -30,7 +29,7 @@ def app_pool(request: pytest.FixtureRequest, database_url: str) -> Iterator[Conn
 
 
 def test_sends_and_relay_work_on_an_app_pool(app_pool, rabbitmq_url, db_schema, queue_name, rabbit):
-    broker = OutboxBroker(url=rabbitmq_url, pool=app_pool, schema=db_schema)
+    broker = OutboxBroker(url=rabbitmq_url, database=app_pool, schema=db_schema)
     try:
         task = dramatiq.actor(lambda n: None, actor_name=f"{queue_name}_a", queue_name=queue_name, broker=broker)
         with broker.transaction():
@@ -47,14 +46,14 @@ def test_a_failed_job_is_retried_and_has_one_effect_on_an_app_pool(app_pool, rab
     """On an autocommit pool the key must still commit with the job, or the retry is skipped."""
     table = sql.Identifier(db_schema, "effects")
     db.execute(sql.SQL("CREATE TABLE {} (n int)").format(table))
-    broker = OutboxBroker(url=rabbitmq_url, pool=app_pool, schema=db_schema)
+    broker = OutboxBroker(url=rabbitmq_url, database=app_pool, schema=db_schema)
     broker.add_middleware(Idempotency(), before=Callbacks)
     broker.add_middleware(WorkerRelay(poll_interval_ms=50))
     runs: list[int] = []
 
     def pay(n: int) -> None:
         runs.append(n)
-        connection().execute(sql.SQL("INSERT INTO {} VALUES (%s)").format(table), (n,))
+        job_connection().execute(sql.SQL("INSERT INTO {} VALUES (%s)").format(table), (n,))
         if len(runs) == 1:
             raise ConnectionError("the provider hung up")  # after the write: it must roll back
 
@@ -65,7 +64,7 @@ def test_a_failed_job_is_retried_and_has_one_effect_on_an_app_pool(app_pool, rab
     worker.start()
     try:
         task.send(7)
-        wait_for(lambda: len(runs) == 2, timeout_s=30, message="the retry never ran: its key outlived the failure")
+        wait_for(lambda: len(runs) == 2, timeout_ms=30000, message="the retry never ran: its key outlived the failure")
         row = db.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()
     finally:
         worker.stop()
@@ -111,7 +110,7 @@ def test_an_in_worker_relay_waits_for_the_schema_instead_of_dying(
     """A rolling deploy may start workers before the migration ran."""
     from dramatiq_reliable import migrate
 
-    broker = OutboxBroker(url=rabbitmq_url, database_url=database_url, schema=unmigrated_schema)
+    broker = OutboxBroker(url=rabbitmq_url, database=database_url, schema=unmigrated_schema)
     broker.add_middleware(WorkerRelay(poll_interval_ms=50, backoff_min_ms=20, backoff_max_ms=100))
     runs: list[int] = []
     task = dramatiq.actor(runs.append, actor_name=f"{queue_name}_a", queue_name=queue_name, broker=broker)
@@ -123,7 +122,7 @@ def test_an_in_worker_relay_waits_for_the_schema_instead_of_dying(
         assert thread is not None
         migrate(database_url, schema=unmigrated_schema)
         task.send(5)
-        wait_for(lambda: runs == [5], timeout_s=20, message="the relay never picked up after the migration")
+        wait_for(lambda: runs == [5], timeout_ms=20000, message="the relay never picked up after the migration")
         assert thread.is_alive()
     finally:
         worker.stop()

@@ -13,8 +13,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from dramatiq_reliable import OutboxBroker, status
-from dramatiq_reliable.cli import ExitCode
+import dramatiq_reliable.health as health_lib
+from dramatiq_reliable import OutboxBroker
+from dramatiq_reliable.cli import ExitCode, main
+from dramatiq_reliable.cli import status as status_command
 from dramatiq_reliable.testing import drain_outbox, wait_for
 
 pytestmark = pytest.mark.integration
@@ -25,7 +27,7 @@ def run(database_url: str, rabbitmq_url: str, db_schema: str, capsys: pytest.Cap
     """Runs ``dramatiq-reliable status`` in-process; returns (exit code, stdout, stderr)."""
 
     def invoke(*args: str, database: str = database_url, rabbitmq: str = rabbitmq_url, schema: str = db_schema):
-        code = status.main(["--database-url", database, "--rabbitmq-url", rabbitmq, "--schema", schema, *args])
+        code = main(["status", "--database-url", database, "--rabbitmq-url", rabbitmq, "--schema", schema, *args])
         out, err = capsys.readouterr()
         return code, out, err
 
@@ -170,7 +172,8 @@ def test_the_module_runs_as_a_command_for_probes(database_url, rabbitmq_url, db_
     command = [
         sys.executable,
         "-m",
-        "dramatiq_reliable.status",
+        "dramatiq_reliable",
+        "status",
         "--database-url",
         database_url,
         "--rabbitmq-url",
@@ -191,7 +194,7 @@ def test_collect_health_for_gauges_skips_the_scans_and_reports_backlog_queues(
     broker, queue_name, database_url, db_schema
 ):
     _actor(broker, queue_name).send_with_options(delay=600_000, retries=1)
-    health = status.collect_health(database=database_url, schema=db_schema, discover_queues=False)
+    health = health_lib.collect_health(database=database_url, schema=db_schema, discover_queues=False)
     item = health.queue(queue_name)
     assert item.outbox_backlog == 1  # the .DQ row is folded into its queue
     assert item.retries_waiting is None  # not scanned unless asked
@@ -200,12 +203,12 @@ def test_collect_health_for_gauges_skips_the_scans_and_reports_backlog_queues(
 
 def test_health_monitor_caches_a_reading_for_its_ttl(broker, queue_name, database_url, db_schema):
     task = _actor(broker, queue_name)
-    monitor = status.HealthMonitor(database=database_url, schema=db_schema, queues=lambda: [queue_name], ttl_s=60)
+    monitor = health_lib.HealthMonitor(database=database_url, schema=db_schema, queues=lambda: [queue_name], ttl_ms=60000)
     first = monitor.get()
     task.send()
     assert monitor.get() is first
     assert first is not None and first.queue(queue_name).outbox_backlog == 0
-    fresh = status.HealthMonitor(database=database_url, schema=db_schema, queues=lambda: [queue_name], ttl_s=0)
+    fresh = health_lib.HealthMonitor(database=database_url, schema=db_schema, queues=lambda: [queue_name], ttl_ms=0)
     reading = fresh.get()
     assert reading is not None and reading.queue(queue_name).outbox_backlog == 1
 
@@ -220,7 +223,7 @@ def test_register_adds_the_command_to_a_cli_parser_with_its_parents():
     rabbit.add_argument("--rabbitmq-url", default="amqp://mq")
     parser = argparse.ArgumentParser(prog="dramatiq-reliable")
     commands = parser.add_subparsers(dest="command", required=True)
-    status.register(commands, [common, rabbit])
+    status_command.register(commands, [common, rabbit])
     args = parser.parse_args(["status", "--check", "--max-outbox-age", "90s", "--queue", "a", "--queue", "b"])
     assert args.handler is not None
     assert (args.max_outbox_age, args.queue, args.database_url, args.rabbitmq_url) == (
@@ -232,17 +235,17 @@ def test_register_adds_the_command_to_a_cli_parser_with_its_parents():
 
 
 def test_check_health_names_each_crossed_threshold_and_ignores_unknown_numbers():
-    health = status.Health(
+    health = health_lib.Health(
         queues=(
-            status.QueueHealth(queue="a", depth=5, dead=2, outbox_backlog=1, outbox_oldest_age_s=61.0, dead_letters=0),
-            status.QueueHealth(queue="b"),  # nothing known: nothing crossed
+            health_lib.QueueHealth(queue="a", depth=5, dead=2, outbox_backlog=1, outbox_oldest_age_s=61.0, dead_letters=0),
+            health_lib.QueueHealth(queue="b"),  # nothing known: nothing crossed
         ),
         collected_at=0.0,
         dead_letters_table=True,
     )
-    limits = status.Thresholds(max_outbox_age_ms=60_000, max_queue_depth=5, max_dead_queue=1, max_dead_letters=0)
-    assert status.check_health(health, limits) == [
+    limits = health_lib.Thresholds(max_outbox_age_ms=60_000, max_queue_depth=5, max_dead_queue=1, max_dead_letters=0)
+    assert health_lib.check_health(health, limits) == [
         "queue 'a': oldest unpublished outbox row is 61s old, over --max-outbox-age 60s (is a relay running?)",
         "queue 'a': 2 messages in its .XQ, over --max-dead-queue 1",
     ]
-    assert status.check_health(health, status.Thresholds()) == []
+    assert health_lib.check_health(health, health_lib.Thresholds()) == []

@@ -15,7 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dramatiq_reliable import ConfigurationError
-from dramatiq_reliable import dead_letters_cli as cli
+from dramatiq_reliable._util import type_name
+from dramatiq_reliable.cli import dead_letters as cli
 from dramatiq_reliable.dead_letters import (
     Culprit,
     DeadLetterFilter,
@@ -25,7 +26,6 @@ from dramatiq_reliable.dead_letters import (
     _describe_failure,
     _encode_cursor,
     _json_text,
-    error_type_name,
     find_culprit,
     fingerprint,
     format_traceback,
@@ -108,9 +108,9 @@ def test_error_types_are_named_unambiguously():
     class Declined(Exception):
         pass
 
-    assert error_type_name(ValueError) == "ValueError"
-    assert error_type_name(ActorNotFound) == "dramatiq.errors.ActorNotFound"
-    assert error_type_name(Declined).endswith(
+    assert type_name(ValueError) == "ValueError"
+    assert type_name(ActorNotFound) == "dramatiq.errors.ActorNotFound"
+    assert type_name(Declined).endswith(
         "test_dead_letters_unit.test_error_types_are_named_unambiguously.<locals>.Declined"
     )
 
@@ -248,14 +248,14 @@ def test_filters_refuse_naive_times_and_empty_ranges():
 
 
 def test_the_store_and_middleware_name_the_fix_for_bad_arguments():
-    with pytest.raises(ConfigurationError, match="exactly one of"):
-        DeadLetterStore(database_url="postgresql://x@localhost/x", pool=object())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="database= must be a Postgres URL, a psycopg_pool.ConnectionPool"):
+        DeadLetterStore(database=object())  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="replay_max_age_ms"):
-        DeadLetterStore(database_url="postgresql://x@localhost/x", replay_max_age_ms=-1)
+        DeadLetterStore(database="postgresql://x@localhost/x", replay_max_age_ms=-1)
     with pytest.raises(ConfigurationError, match="batch_size"):
-        DeadLetterStore(database_url="postgresql://x@localhost/x", batch_size=0)
-    with pytest.raises(ConfigurationError, match="at most one of"):
-        DeadLetters(database_url="postgresql://x@localhost/x", pool=object())  # type: ignore[arg-type]
+        DeadLetterStore(database="postgresql://x@localhost/x", batch_size=0)
+    with pytest.raises(ConfigurationError, match="database= must be a Postgres URL"):
+        DeadLetters(database=object())  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="timeout_ms"):
         DeadLetters(timeout_ms=0)
     with pytest.raises(ConfigurationError, match="cursor"):
@@ -350,4 +350,4 @@ def test_capture_without_a_database_logs_critically_and_never_raises(caplog):
     with caplog.at_level("CRITICAL", logger="dramatiq_reliable.dead_letters"):
         assert DeadLetters().capture(StubBroker(), proxy) is None
         DeadLetters().before_nack(StubBroker(), proxy)  # returns normally: the nack still happens
-    assert "NOT stored" in caplog.text and proxy.message_id in caplog.text and "database_url=" in caplog.text
+    assert "NOT stored" in caplog.text and proxy.message_id in caplog.text and "database=" in caplog.text

@@ -20,15 +20,15 @@ from psycopg_pool import ConnectionPool
 from dramatiq_reliable import events
 from dramatiq_reliable.errors import ConfigurationError, DatabaseUnavailable, ReliableError
 from dramatiq_reliable.idempotency import (
+    ActorOptionError,
     Idempotency,
     IdempotencyConflict,
     IdempotencyKeyError,
-    IdempotencyOptionError,
     Job,
     NoCurrentJob,
-    connection,
     current_job,
     external_key,
+    job_connection,
     make_purge_actor,
     payload_hash,
 )
@@ -39,7 +39,7 @@ UNUSED_URL = "postgresql://nobody@127.0.0.1:1/never_opened"
 @pytest.fixture
 def broker() -> Iterator[StubBroker]:
     stub = StubBroker()
-    stub.add_middleware(Idempotency(database_url=UNUSED_URL))
+    stub.add_middleware(Idempotency(database=UNUSED_URL))
     stub.emit_after("process_boot")
     dramatiq.set_broker(stub)
     yield stub
@@ -122,7 +122,7 @@ def test_a_message_key_overrides_the_actor_key_and_message_mode_overrides_actor_
 
 def test_mode_comes_from_the_actor_else_the_middleware_default():
     stub = StubBroker()
-    stub.add_middleware(Idempotency(database_url=UNUSED_URL, default_mode="off"))
+    stub.add_middleware(Idempotency(database=UNUSED_URL, default_mode="off"))
     try:
 
         @dramatiq.actor(broker=stub)
@@ -178,7 +178,7 @@ def test_a_bad_key_fails_the_message_without_running_the_actor(broker, seen):
 @pytest.mark.parametrize(("before", "warned"), [(Callbacks, False), (None, True)])
 def test_the_worker_warns_when_idempotency_comes_after_pipelines_and_callbacks(before, warned, caplog):
     stub = StubBroker()
-    stub.add_middleware(Idempotency(database_url=UNUSED_URL), before=before)
+    stub.add_middleware(Idempotency(database=UNUSED_URL), before=before)
     worker = dramatiq.Worker(stub, worker_timeout=50, worker_threads=1)
     try:
         with caplog.at_level(logging.WARNING, logger="dramatiq_reliable.idempotency"):
@@ -212,12 +212,12 @@ def test_bad_actor_options_fail_at_decoration(broker, options, match):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"database_url": UNUSED_URL, "pool": object()}, "at most one of database_url= and pool="),
+        ({"database": object()}, "database= must be a Postgres URL, a psycopg_pool.ConnectionPool"),
         ({"default_mode": "maybe"}, r"default_mode must be one of .* got 'maybe'"),
         ({"retention_ms": -1}, "retention_ms must be a positive int of milliseconds, got -1"),
         ({"retention_ms": 1.5}, "got 1.5"),
         ({"schema": ""}, "schema must be a non-empty string"),
-        ({"connection_timeout_s": 0}, "connection_timeout_s must be a positive number of seconds or None, got 0"),
+        ({"connection_timeout_ms": 0}, "connection_timeout_ms must be a positive int of milliseconds or None, got 0"),
     ],
 )
 def test_constructor_arguments_are_validated(kwargs, match):
@@ -229,7 +229,7 @@ def test_a_plain_broker_without_a_database_is_refused_at_decoration():
     stub = StubBroker()
     stub.add_middleware(Idempotency())
     try:
-        with pytest.raises(IdempotencyOptionError, match="pass database_url= or pool=, or use .*OutboxBroker"):
+        with pytest.raises(ActorOptionError, match="pass database=, or use .*OutboxBroker"):
 
             @dramatiq.actor(broker=stub)
             def task() -> None: ...
@@ -266,9 +266,7 @@ def test_error_classes_stop_the_actor_and_fit_the_error_tree():
     # A SkipMessage (a MiddlewareError) is the only thing a before-hook can raise to stop an actor.
     assert issubclass(IdempotencyConflict, SkipMessage) and issubclass(IdempotencyConflict, ReliableError)
     assert issubclass(IdempotencyKeyError, SkipMessage) and issubclass(IdempotencyKeyError, ReliableError)
-    assert issubclass(IdempotencyOptionError, MiddlewareError) and issubclass(
-        IdempotencyOptionError, ConfigurationError
-    )
+    assert issubclass(ActorOptionError, MiddlewareError) and issubclass(ActorOptionError, ConfigurationError)
     assert str(IdempotencyConflict("key 'k' reused")) == "key 'k' reused"
 
 
@@ -297,7 +295,7 @@ def test_job_accessors_outside_a_job_explain_themselves():
     with pytest.raises(NoCurrentJob, match="outside a job"):
         current_job()
     with pytest.raises(NoCurrentJob, match="idempotency='transactional'"):
-        connection()
+        job_connection()
 
 
 def test_external_key_inside_record_mode_job_is_the_same_on_every_attempt(broker):
@@ -307,7 +305,7 @@ def test_external_key_inside_record_mode_job_is_the_same_on_every_attempt(broker
     def charge(order_id: int) -> None:
         keys.append(external_key("charge"))
         with pytest.raises(NoCurrentJob, match="mode 'record'"):
-            connection()
+            job_connection()
         raise RuntimeError("provider timeout")
 
     middleware = _middleware(broker)
@@ -344,7 +342,7 @@ def test_the_purge_actor_shares_the_middleware_database_and_runs_without_idempot
         make_purge_actor(broker, batch_size=0, actor_name="other_purge")
     bare = StubBroker()
     try:
-        with pytest.raises(ConfigurationError, match=r"pass database=Database\(url=...\)"):
+        with pytest.raises(ConfigurationError, match=r"pass database='postgresql://...'"):
             make_purge_actor(bare)
     finally:
         bare.close()
@@ -362,7 +360,7 @@ def test_an_unreachable_database_stops_the_actor_and_the_message_is_retried(seen
     )
     pool.open(wait=False)  # a pool you pass in is yours to open and close
     stub = StubBroker()
-    stub.add_middleware(Idempotency(pool=pool, connection_timeout_s=0.3))
+    stub.add_middleware(Idempotency(database=pool, connection_timeout_ms=300))
     runs: list[int] = []
     try:
 

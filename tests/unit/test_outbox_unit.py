@@ -6,9 +6,10 @@ import argparse
 
 import pytest
 
-from dramatiq_reliable import ConfigurationError, OutboxBroker, Relay, bind, current_connection, schema
+from dramatiq_reliable import ConfigurationError, OutboxBroker, Relay, bind, schema
+from dramatiq_reliable.outbox.binding import bound_connection
 from dramatiq_reliable._sql import compose, validate_schema
-from dramatiq_reliable.cli import duration_ms as _duration_ms
+from dramatiq_reliable.cli.common import duration_ms as _duration_ms
 from dramatiq_reliable.database import Database
 
 
@@ -18,7 +19,7 @@ def test_bind_rejects_what_is_not_a_psycopg_connection_and_says_what_to_pass():
 
     with pytest.raises(ConfigurationError, match="driver_connection"), bind(SqlAlchemyLike()):  # type: ignore[arg-type]
         pass
-    assert current_connection() is None
+    assert bound_connection() is None
 
 
 @pytest.mark.parametrize(
@@ -45,17 +46,19 @@ def test_schema_names_are_quoted_identifiers_never_text():
 )
 def test_outbox_broker_validates_its_arguments(kwargs, fix):
     with pytest.raises(ConfigurationError, match=fix):
-        OutboxBroker(url="amqp://127.0.0.1:1", database_url="postgresql://127.0.0.1:1/x", **kwargs)
+        OutboxBroker(url="amqp://127.0.0.1:1", database="postgresql://127.0.0.1:1/x", **kwargs)
 
 
-def test_outbox_broker_needs_exactly_one_database_source():
-    with pytest.raises(ConfigurationError, match="exactly one of database_url= and pool="):
-        OutboxBroker(url="amqp://127.0.0.1:1")
+def test_outbox_broker_needs_a_database():
+    with pytest.raises(TypeError, match="database"):
+        OutboxBroker(url="amqp://127.0.0.1:1")  # type: ignore[call-arg]
+    with pytest.raises(ConfigurationError, match="database= must be a Postgres URL, a psycopg_pool.ConnectionPool"):
+        OutboxBroker(url="amqp://127.0.0.1:1", database=42)  # type: ignore[arg-type]
 
 
 def test_constructing_a_broker_does_no_io():
     # Port 1 refuses connections: construction must still succeed, failing only on first use.
-    broker = OutboxBroker(url="amqp://127.0.0.1:1", database_url="postgresql://127.0.0.1:1/x")
+    broker = OutboxBroker(url="amqp://127.0.0.1:1", database="postgresql://127.0.0.1:1/x")
     broker.close()
 
 
@@ -70,7 +73,7 @@ def test_constructing_a_broker_does_no_io():
 )
 def test_relay_validates_its_arguments(kwargs, fix):
     with pytest.raises(ConfigurationError, match=fix):
-        Relay(rabbitmq_url="amqp://127.0.0.1:1", database_url="postgresql://127.0.0.1:1/x", **kwargs)
+        Relay(rabbitmq_url="amqp://127.0.0.1:1", database="postgresql://127.0.0.1:1/x", **kwargs)
 
 
 def test_relay_from_broker_needs_an_outbox_broker():
@@ -122,18 +125,18 @@ def test_worker_relay_options_are_checked_where_they_are_written():
     with pytest.raises(ConfigurationError, match="unknown option"):
         WorkerRelay(batchsize=10)
     with pytest.raises(ConfigurationError, match="from the OutboxBroker"):
-        WorkerRelay(database_url="postgresql://x")
+        WorkerRelay(database="postgresql://x")
 
 
 def test_purge_refuses_a_batch_that_would_never_finish():
     from dramatiq_reliable.outbox import purge_published
 
     database = Database(url="postgresql://127.0.0.1:1/x")
-    with pytest.raises(ConfigurationError, match="batch must be a positive int"):
-        purge_published(database, schema="s", older_than_ms=0, batch=0)
+    with pytest.raises(ConfigurationError, match="batch_size must be a positive int"):
+        purge_published(database, schema="s", older_than_ms=0, batch_size=0)
 
 
 def test_a_relay_that_keeps_rows_purges_only_when_told_how_old():
-    relay = Relay(rabbitmq_url="amqp://127.0.0.1:1", database_url="postgresql://127.0.0.1:1/x", retention_ms=None)
+    relay = Relay(rabbitmq_url="amqp://127.0.0.1:1", database="postgresql://127.0.0.1:1/x", retention_ms=None)
     with pytest.raises(ConfigurationError, match="pass older_than_ms="):
         relay.purge()

@@ -140,7 +140,7 @@ def test_a_job_that_fails_twice_has_three_linked_attempts_with_their_retry_decis
 def test_a_message_that_fails_for_good_is_marked_dead_lettered_and_later_events_become_child_spans(otel, tracing):
     class StoresDeadLetters(Middleware):
         def before_nack(self, broker: Any, message: Any) -> None:
-            events.emit(DeadLetterStored(message_id=message.message_id, reason="boom"))
+            events.emit(DeadLetterCaptured(message_id=message.message_id, reason="boom"))
 
     broker = make_broker(tracing, StoresDeadLetters())
 
@@ -162,7 +162,7 @@ def test_a_message_that_fails_for_good_is_marked_dead_lettered_and_later_events_
 
 
 @dataclasses.dataclass(frozen=True)
-class DeadLetterStored(events.Event):
+class DeadLetterCaptured(events.Event):
     name: ClassVar[str] = "dead_letter.stored"
     message_id: str
     reason: str
@@ -515,7 +515,7 @@ def test_a_stub_broker_has_no_health_gauges_and_reading_them_does_nothing(otel, 
         ({"tracer_provider": object()}, "tracer_provider must be an OpenTelemetry TracerProvider"),
         ({"meter_provider": "global"}, "meter_provider must be an OpenTelemetry MeterProvider"),
         ({"propagator": 1}, "propagator must be a TextMapPropagator"),
-        ({"health_cache_s": -1}, "health_cache_s must be a non-negative number"),
+        ({"health_cache_ms": -1}, "health_cache_ms must be an int >= 0"),
         ({"health_metrics": "yes"}, "health_metrics must be True or False"),
     ],
 )

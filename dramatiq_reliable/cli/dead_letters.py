@@ -35,17 +35,17 @@ from typing import Any, TextIO
 
 import psycopg
 
-from .cli import _DURATION, ExitCode, duration_ms
-from .database import Database
-from .dead_letters import (
+from ..database import Database
+from ..dead_letters import (
     DEFAULT_REPLAY_MAX_AGE_MS,
     DEFAULT_RETENTION_MS,
     DeadLetter,
     DeadLetterFilter,
     DeadLetterStore,
 )
+from .common import DURATION, ExitCode, duration_ms
 
-__all__ = ["NOT_FOUND", "REFUSED", "main", "register"]
+__all__ = ["NOT_FOUND", "REFUSED", "register"]
 
 logger = logging.getLogger("dramatiq_reliable.cli")
 
@@ -63,7 +63,7 @@ def point_in_time(text: str, *, now: datetime.datetime | None = None) -> datetim
     """An ISO 8601 date or time (UTC unless it says otherwise), or a duration meaning that long ago."""
     text = text.strip()
     now = now or datetime.datetime.now(datetime.timezone.utc)
-    if _DURATION.match(text.lower()):
+    if DURATION.match(text.lower()):
         return now - datetime.timedelta(milliseconds=duration_ms(text))
     try:
         value = datetime.datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
@@ -177,13 +177,6 @@ def register(
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``dramatiq-reliable`` (``argv`` starts with ``dead-letters``); return the exit code."""
-    from .cli import main as cli_main
-
-    return cli_main(argv)
-
-
 def _error(text: str) -> None:
     print(f"dramatiq-reliable: error: {text}", file=sys.stderr)
 
@@ -198,7 +191,7 @@ def _store(args: argparse.Namespace, **options: Any) -> Iterator[DeadLetterStore
     # One direct connection first: a wrong host or password fails at once with the server's own
     # reason, where a pool would wait out its timeout and report only that.
     psycopg.connect(args.database_url, connect_timeout=10).close()
-    database = Database(url=args.database_url, max_size=2, timeout_s=30)
+    database = Database(url=args.database_url, max_size=2, timeout_ms=30_000)
     try:
         yield DeadLetterStore(database=database, schema=args.schema, **options)
     finally:
@@ -537,7 +530,3 @@ def _duration_text(ms: int) -> str:
 
 def _when(value: datetime.datetime) -> str:
     return value.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

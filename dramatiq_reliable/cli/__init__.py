@@ -8,11 +8,8 @@ only with ``-v``) and exit with a named code.
 from __future__ import annotations
 
 import argparse
-import enum
 import json
 import logging
-import os
-import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -20,60 +17,14 @@ from typing import Any
 
 import psycopg
 
-from . import _sql, schema
-from .database import Database
-from .errors import ReliableError
+from .. import _sql, schema
+from ..database import Database
+from ..errors import ReliableError
+from .common import ExitCode, common_parents, duration_ms
 
 __all__ = ["ExitCode", "common_parents", "duration_ms", "main"]
 
 logger = logging.getLogger("dramatiq_reliable.cli")
-
-DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
-DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
-
-
-class ExitCode(enum.IntEnum):
-    """Exit codes of the command, stable for scripts."""
-
-    OK = 0
-    ERROR = 1
-    USAGE = 2
-    UNAVAILABLE = 3  # Postgres or RabbitMQ cannot be reached
-    SCHEMA = 4  # tables missing or behind: run migrate
-    CHECK_FAILED = 5  # a health check crossed a threshold
-    ABORTED = 6  # the user declined a confirmation
-    NOT_FOUND = 7  # an id asked for does not exist
-    REFUSED = 8  # some rows were left alone (too old, already handled); the rest were handled
-
-
-_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 7 * 86_400_000}
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?$")
-
-
-def duration_ms(text: str) -> int:
-    """``500ms``, ``30s``, ``15m``, ``6h``, ``7d``, ``2w`` (a bare number is seconds) as ms."""
-    match = _DURATION.match(text.strip().lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration; write e.g. 30s, 15m, 7d")
-    return int(float(match[1]) * _UNITS_MS[match[2] or "s"])
-
-
-def common_parents() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The shared option parsers: (``--database-url`` and ``--schema``, ``--rabbitmq-url``)."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--database-url",
-        default=os.environ.get("DATABASE_URL", DEFAULT_DATABASE_URL),
-        help="Postgres URL (default: $DATABASE_URL or the local server)",
-    )
-    common.add_argument("--schema", default=_sql.DEFAULT_SCHEMA, help="schema of the tables (default: %(default)s)")
-    rabbit = argparse.ArgumentParser(add_help=False)
-    rabbit.add_argument(
-        "--rabbitmq-url",
-        default=os.environ.get("RABBITMQ_URL", DEFAULT_RABBITMQ_URL),
-        help="RabbitMQ URL (default: $RABBITMQ_URL or the local server)",
-    )
-    return common, rabbit
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,9 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     keys_purge.add_argument("--json", action="store_true")
     keys_purge.set_defaults(handler=_idempotency_purge)
 
-    from . import dead_letters_cli, status
+    from . import dead_letters, status
 
-    dead_letters_cli.register(commands, [common])
+    dead_letters.register(commands, [common])
     status.register(commands, [common, rabbit])
     return parser
 
@@ -139,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except ReliableError as error:
         _fail(args, error)
-        from .errors import SchemaNotReady
+        from ..errors import SchemaNotReady
 
         return ExitCode.SCHEMA if isinstance(error, SchemaNotReady) else ExitCode.ERROR
     except (psycopg.OperationalError, psycopg.InterfaceError) as error:
@@ -176,8 +127,8 @@ def _migrate(args: argparse.Namespace) -> int:
 
 
 def _relay(args: argparse.Namespace) -> int:
-    from .outbox.publisher import BrokerUnavailable
-    from .outbox.relay import Relay
+    from ..errors import BrokerUnavailable
+    from ..outbox.relay import Relay
 
     relay = Relay(
         rabbitmq_url=args.rabbitmq_url,
@@ -211,7 +162,7 @@ def _relay(args: argparse.Namespace) -> int:
 
 
 def _outbox_purge(args: argparse.Namespace) -> int:
-    from .outbox.relay import purge_published
+    from ..outbox.relay import purge_published
 
     database = _database(args)
     try:
@@ -223,7 +174,7 @@ def _outbox_purge(args: argparse.Namespace) -> int:
 
 
 def _idempotency_purge(args: argparse.Namespace) -> int:
-    from .idempotency import purge_expired
+    from ..idempotency import purge_expired
 
     database = _database(args)
     try:
@@ -250,7 +201,3 @@ def _outbox_stats(args: argparse.Namespace) -> int:
         for key, value in stats.items():
             print(f"{key:<14}{value}")
     return ExitCode.OK
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -1,11 +1,12 @@
-"""Health numbers: queue depth, outbox backlog and age, dead letters, per queue, for people and probes.
+"""Health numbers: queue depth, outbox backlog and age, dead letters, per queue, as a library.
 
-One function, :func:`collect_health`, reads them from Postgres and RabbitMQ.  The
-``dramatiq-reliable status`` command prints them as a table or JSON and, with ``--check`` and
-thresholds, exits non-zero naming what crossed a line (for cron, Kubernetes probes and
-alerting); the :class:`~dramatiq_reliable.tracing.Tracing` middleware turns the same reading
-into observable gauges through a :class:`HealthMonitor`, which caches it for a few seconds so
-a metrics scrape never hammers the database.
+One function, :func:`collect_health`, reads them from Postgres and RabbitMQ, and
+:func:`check_health` compares a reading with :class:`Thresholds`.  Everything that shows health
+reads it from here: the ``dramatiq-reliable status`` command prints it as a table or JSON (and,
+with ``--check``, exits non-zero naming what crossed a line), and the
+:class:`~dramatiq_reliable.Tracing` middleware turns the same reading into observable gauges
+through a :class:`HealthMonitor`, which caches it for a few seconds so a metrics scrape never
+hammers the database.  This module holds no command-line code.
 
 What each number means, and why it matters:
 
@@ -27,17 +28,14 @@ What each number means, and why it matters:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import datetime
-import json
 import logging
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import psycopg
 from dramatiq.common import dq_name, q_name, xq_name
@@ -46,11 +44,9 @@ from psycopg.rows import tuple_row
 from psycopg_pool import PoolTimeout
 
 from . import _sql, schema
+from ._util import check_ms, format_age
 from .database import Database
 from .errors import ConfigurationError, SchemaNotReady
-
-if TYPE_CHECKING:
-    from .cli import ExitCode
 
 __all__ = [
     "Health",
@@ -60,11 +56,9 @@ __all__ = [
     "Thresholds",
     "check_health",
     "collect_health",
-    "main",
-    "register",
 ]
 
-logger = logging.getLogger("dramatiq_reliable.status")
+logger = logging.getLogger("dramatiq_reliable.health")
 
 #: The schema version the status queries need (the outbox).
 STATUS_SCHEMA_VERSION = 1
@@ -171,19 +165,19 @@ class QueueDepths:
 
     Parameters:
       parameters: pika connection parameters (or a list of them), e.g. ``broker.parameters``.
-      url: an AMQP URL instead of ``parameters``.
-      timeout_s: socket and connection timeout for a URL given here.
+      rabbitmq_url: an AMQP URL instead of ``parameters``.
+      timeout_ms: socket and connection timeout for a URL given here.
     """
 
-    def __init__(self, *, parameters: Any = None, url: str | None = None, timeout_s: float = 5.0) -> None:
+    def __init__(self, *, parameters: Any = None, rabbitmq_url: str | None = None, timeout_ms: int = 5000) -> None:
         import pika
 
-        if (parameters is None) == (url is None):
-            raise ConfigurationError("pass exactly one of parameters= and url= to QueueDepths")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-            raise ConfigurationError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        if url is not None:
-            parameters = pika.URLParameters(url)
+        if (parameters is None) == (rabbitmq_url is None):
+            raise ConfigurationError("pass exactly one of parameters= and rabbitmq_url= to QueueDepths")
+        check_ms("timeout_ms", timeout_ms, minimum=1, fix="e.g. timeout_ms=5000")
+        timeout_s = timeout_ms / 1000
+        if rabbitmq_url is not None:
+            parameters = pika.URLParameters(rabbitmq_url)
             parameters.socket_timeout = timeout_s
             parameters.stack_timeout = timeout_s
             parameters.blocked_connection_timeout = timeout_s
@@ -265,7 +259,7 @@ def collect_health(
     discover_queues: bool = True,
     retries_waiting: bool = False,
     statement_timeout_ms: int = 5000,
-    connect_timeout_s: int = 5,
+    connect_timeout_ms: int = 5000,
 ) -> Health:
     """Read every queue's health numbers; an unreachable service is reported, not raised.
 
@@ -280,7 +274,7 @@ def collect_health(
         with unpublished rows are always reported.
       retries_waiting: count the retries not yet due (scans the outbox's delayed rows).
       statement_timeout_ms: a bound on each query, so a probe never hangs on a locked table.
-      connect_timeout_s: used when ``database`` is a URL.
+      connect_timeout_ms: used when ``database`` is a URL.
 
     Raises :class:`~dramatiq_reliable.errors.SchemaNotReady` when the outbox tables are missing.
     """
@@ -299,7 +293,7 @@ def collect_health(
     dead_letters_table: bool | None = None
     if database is not None:
         try:
-            with _connection(database, connect_timeout_s) as conn:
+            with _connection(database, connect_timeout_ms) as conn:
                 dead_letters_table = _read_postgres(
                     conn,
                     schema=schema,
@@ -351,14 +345,14 @@ def collect_health(
 
 
 @contextlib.contextmanager
-def _connection(database: DatabaseSource, connect_timeout_s: int) -> Iterator[psycopg.Connection[Any]]:
+def _connection(database: DatabaseSource, connect_timeout_ms: int) -> Iterator[psycopg.Connection[Any]]:
     if isinstance(database, Database):
         with database.connection() as conn:
             yield conn
     elif isinstance(database, psycopg.Connection):
         yield database
     else:
-        with psycopg.connect(database, connect_timeout=connect_timeout_s) as conn:
+        with psycopg.connect(database, connect_timeout=max(1, round(connect_timeout_ms / 1000))) as conn:
             yield conn
 
 
@@ -442,18 +436,18 @@ def _describe(error: BaseException) -> str:
 
 
 class HealthMonitor:
-    """A :func:`collect_health` reading cached for ``ttl_s`` seconds, for observable gauges.
+    """A :func:`collect_health` reading cached for ``ttl_ms``, for observable gauges.
 
     Every gauge callback of a scrape asks for the reading; the first refreshes it and the
     others get the cached one, so a scrape costs one backlog query and a few passive declares
-    however many gauges read it, and a down database is asked once per ``ttl_s``, not once per
+    however many gauges read it, and a down database is asked once per ``ttl_ms``, not once per
     gauge.  Thread-safe.
 
     Parameters:
       database, schema: where the tables are; ``None`` skips Postgres.
       rabbitmq: a :class:`QueueDepths`; ``None`` skips RabbitMQ.
       queues: called at each refresh for the queues to report (e.g. a broker's declared queues).
-      ttl_s: how long a reading is reused.
+      ttl_ms: how long a reading is reused.
       statement_timeout_ms: a bound on each query, so a scrape never waits on a locked table.
     """
 
@@ -464,27 +458,26 @@ class HealthMonitor:
         schema: str = _sql.DEFAULT_SCHEMA,
         rabbitmq: QueueDepths | None = None,
         queues: Callable[[], Iterable[str]] = tuple,
-        ttl_s: float = 10.0,
+        ttl_ms: int = 10_000,
         statement_timeout_ms: int = 2000,
     ) -> None:
-        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or ttl_s < 0:
-            raise ConfigurationError(f"ttl_s must be a non-negative number of seconds, got {ttl_s!r}")
+        check_ms("ttl_ms", ttl_ms, minimum=0, fix="e.g. ttl_ms=10000")
         self.database = database
         self.schema = _sql.validate_schema(schema)
         self.rabbitmq = rabbitmq
         self.queues = queues
-        self.ttl_s = float(ttl_s)
+        self.ttl_s = ttl_ms / 1000
         self.statement_timeout_ms = statement_timeout_ms
         self._lock = threading.Lock()
         self._reading: Health | None = None
         self._read_at = float("-inf")
 
     def get(self) -> Health | None:
-        """The cached reading, refreshed when older than ``ttl_s``; ``None`` if it cannot be read."""
+        """The cached reading, refreshed when older than ``ttl_ms``; ``None`` if it cannot be read."""
         with self._lock:
             if time.monotonic() - self._read_at < self.ttl_s:
                 return self._reading
-            # Failed readings are cached too: a down service is asked once per ttl_s.
+            # Failed readings are cached too: a down service is asked once per ttl.
             self._read_at = time.monotonic()
             try:
                 reading = collect_health(
@@ -537,8 +530,8 @@ def check_health(health: Health, thresholds: Thresholds) -> list[str]:
         age = item.outbox_oldest_age_s
         if thresholds.max_outbox_age_ms is not None and age is not None and age * 1000 > thresholds.max_outbox_age_ms:
             problems.append(
-                f"queue {item.queue!r}: oldest unpublished outbox row is {_age(age)} old, over "
-                f"--max-outbox-age {_age(thresholds.max_outbox_age_ms / 1000)} (is a relay running?)"
+                f"queue {item.queue!r}: oldest unpublished outbox row is {format_age(age)} old, over "
+                f"--max-outbox-age {format_age(thresholds.max_outbox_age_ms / 1000)} (is a relay running?)"
             )
         for value, limit, what, option in (
             (item.outbox_backlog, thresholds.max_outbox_backlog, "unpublished outbox rows", "--max-outbox-backlog"),
@@ -554,221 +547,3 @@ def check_health(health: Health, thresholds: Thresholds) -> list[str]:
             "run 'dramatiq-reliable migrate'"
         )
     return problems
-
-
-# --------------------------------------------------------------------------------------------
-# The command
-# --------------------------------------------------------------------------------------------
-
-
-def register(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-    parents: Sequence[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Add the ``status`` command to ``dramatiq-reliable``.
-
-    ``parents`` must supply ``--database-url``, ``--schema`` and ``--rabbitmq-url`` (the
-    CLI's common parsers); the handler is set as ``handler`` and returns an exit code.
-    """
-    parser = subparsers.add_parser(
-        "status",
-        parents=list(parents),
-        help="queue depth, outbox backlog, dead letters; --check for probes",
-        description=_COMMAND_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_arguments(parser)
-    return parser
-
-
-_COMMAND_DESCRIPTION = """\
-Print the health numbers of every queue: RabbitMQ depth, delayed and dead (.XQ) messages,
-the outbox backlog and its oldest row, dead letters and the newest, retries waiting.
-
-With --check, exit 5 when a threshold is crossed (the reasons go to stderr), for cron,
-Kubernetes probes and alerting.  Exit 3 when Postgres or RabbitMQ cannot be reached.
-"""
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .cli import duration_ms as _duration_ms
-
-    parser.add_argument(
-        "--queue",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="a queue to report on (repeatable); queues found in the outbox and dead letters are added",
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--skip-rabbitmq", action="store_true", help="do not connect to RabbitMQ")
-    parser.add_argument("--check", action="store_true", help="exit 5 (CHECK_FAILED) when a threshold below is crossed")
-    limits = parser.add_argument_group("thresholds (per queue, with --check)")
-    limits.add_argument("--max-outbox-age", type=_duration_ms, metavar="DURATION", help="e.g. 60s")
-    limits.add_argument("--max-outbox-backlog", type=_non_negative, metavar="N")
-    limits.add_argument("--max-dead-letters", type=_non_negative, metavar="N")
-    limits.add_argument("--max-queue-depth", type=_non_negative, metavar="N")
-    limits.add_argument("--max-dead-queue", type=_non_negative, metavar="N", help="messages in the .XQ")
-    parser.set_defaults(handler=_handle, status_parser=parser)
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative; thresholds are 0 or more")
-    return value
-
-
-def _handle(args: argparse.Namespace) -> int:
-    from .cli import ExitCode
-
-    thresholds = Thresholds(
-        max_outbox_age_ms=args.max_outbox_age,
-        max_outbox_backlog=args.max_outbox_backlog,
-        max_dead_letters=args.max_dead_letters,
-        max_queue_depth=args.max_queue_depth,
-        max_dead_queue=args.max_dead_queue,
-    )
-    if thresholds.any() and not args.check:
-        args.status_parser.error("the --max-* thresholds apply only with --check")
-    try:
-        _sql.validate_schema(args.schema)
-    except ConfigurationError as error:
-        return _fail(str(error), ExitCode.USAGE)
-    rabbitmq = None if args.skip_rabbitmq else QueueDepths(url=args.rabbitmq_url)
-    try:
-        health = collect_health(
-            database=args.database_url,
-            schema=args.schema,
-            rabbitmq=rabbitmq,
-            queues=args.queue,
-            discover_queues=True,
-            retries_waiting=True,
-        )
-    except SchemaNotReady as error:
-        return _fail(str(error), ExitCode.SCHEMA)
-    finally:
-        if rabbitmq is not None:
-            rabbitmq.close()
-
-    problems = check_health(health, thresholds) if args.check else []
-    if args.json:
-        document = health.as_dict()
-        if args.check:
-            document["check"] = {"ok": health.ok and not problems, "problems": problems}
-        print(json.dumps(document, indent=2))
-    else:
-        print(render_table(health))
-    if not health.ok:
-        for service, problem in (("Postgres", health.postgres_error), ("RabbitMQ", health.rabbitmq_error)):
-            if problem:
-                print(f"dramatiq-reliable: error: cannot reach {service}: {problem}", file=sys.stderr)
-        return ExitCode.UNAVAILABLE
-    if problems:
-        for problem in problems:
-            print(f"dramatiq-reliable: check failed: {problem}", file=sys.stderr)
-        return ExitCode.CHECK_FAILED
-    if args.check and not args.json:
-        print("check passed" + ("" if thresholds.any() else " (services reachable; no thresholds given)"))
-    return ExitCode.OK
-
-
-def _fail(message: str, code: ExitCode) -> int:
-    print(f"dramatiq-reliable: error: {message}", file=sys.stderr)
-    return int(code)
-
-
-def render_table(health: Health) -> str:
-    """The reading as an aligned text table, one queue a line, with totals when there are several."""
-    headers = (
-        "queue",
-        "depth",
-        "delayed",
-        "dead(.XQ)",
-        "consumers",
-        "outbox",
-        "oldest",
-        "failing",
-        "dead letters",
-        "newest",
-        "retrying",
-    )
-    lines: list[tuple[str, ...]] = []
-    for item in health.queues:
-        lines.append(
-            (
-                item.queue,
-                _n(item.depth),
-                _n(item.delayed),
-                _n(item.dead),
-                _n(item.consumers),
-                _n(item.outbox_backlog),
-                _age(item.outbox_oldest_age_s),
-                _n(item.outbox_failing),
-                _n(item.dead_letters),
-                _age(item.dead_letters_newest_age_s, suffix=" ago"),
-                _n(item.retries_waiting),
-            )
-        )
-    if len(health.queues) > 1:
-        totals = health.totals()
-        lines.append(
-            (
-                "(all)",
-                _n(totals["depth"]),
-                _n(totals["delayed"]),
-                _n(totals["dead"]),
-                "",
-                _n(totals["outbox_backlog"]),
-                _age(totals["outbox_oldest_age_s"]),
-                _n(totals["outbox_failing"]),
-                _n(totals["dead_letters"]),
-                _age(totals["dead_letters_newest_age_s"], suffix=" ago"),
-                _n(totals["retries_waiting"]),
-            )
-        )
-    if not lines:
-        return "no queues found: name them with --queue"
-    widths = [max(len(row[i]) for row in (headers, *lines)) for i in range(len(headers))]
-    out = []
-    for row in (headers, *lines):
-        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
-        out.append("  ".join(cells).rstrip())
-    if health.dead_letters_table is False:
-        out.append("(no dead-letter table in this schema: dead letters are not counted)")
-    return "\n".join(out)
-
-
-def _n(value: int | None) -> str:
-    return "-" if value is None else str(value)
-
-
-def _age(seconds: float | None, *, suffix: str = "") -> str:
-    if seconds is None:
-        return "-"
-    # Two units' worth before switching, so "75s" is not rounded to "1m" next to a 60s threshold.
-    if seconds < 10:
-        text = f"{seconds:.1f}s"
-    elif seconds < 120:
-        text = f"{seconds:.0f}s"
-    elif seconds < 7200:
-        text = f"{seconds / 60:.0f}m"
-    elif seconds < 172800:
-        text = f"{seconds / 3600:.1f}h"
-    else:
-        text = f"{seconds / 86400:.1f}d"
-    return text + suffix
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m dramatiq_reliable.status``: ``dramatiq-reliable status`` with ``argv`` as its options."""
-    from .cli import main as cli_main
-
-    return cli_main(["status", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
