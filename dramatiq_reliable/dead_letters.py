@@ -64,7 +64,6 @@ from .outbox.binding import bound_connection
 from .outbox.broker import OutboxBroker
 
 __all__ = [
-    "DEAD_LETTERS_SCHEMA_VERSION",
     "DEFAULT_REPLAY_MAX_AGE_MS",
     "DEFAULT_RETENTION_MS",
     "FIRST_FAILURE_OPTION",
@@ -92,8 +91,6 @@ __all__ = [
 
 logger = logging.getLogger("dramatiq_reliable.dead_letters")
 
-#: The schema version the dead letters need (migration 0003).
-DEAD_LETTERS_SCHEMA_VERSION = 3
 #: Replays of jobs first sent longer ago than this are refused unless forced: a welcome email
 #: from three weeks ago should not go out now.  Seven days is also RabbitMQ's ``.XQ`` TTL.
 DEFAULT_REPLAY_MAX_AGE_MS = 7 * 24 * 3600 * 1000
@@ -805,7 +802,7 @@ class DeadLetterStore:
 
     def _check_ready(self, conn: psycopg.Connection[Any]) -> None:
         if not self._ready:
-            schema.ensure_ready(conn, schema=self.schema, required=DEAD_LETTERS_SCHEMA_VERSION, feature="dead letters")
+            schema.ensure_ready(conn, schema=self.schema, required=schema.DEAD_LETTERS_VERSION, feature="dead letters")
             self._ready = True
 
     def _query(self, name: str) -> Any:

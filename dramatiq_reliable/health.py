@@ -60,8 +60,6 @@ __all__ = [
 
 logger = logging.getLogger("dramatiq_reliable.health")
 
-#: The schema version the status queries need (the outbox).
-STATUS_SCHEMA_VERSION = 1
 # Queues named in the dead-letter table; kept out of the SQL because that table is another
 # part's and may not exist yet (it is checked for first).
 _DEAD_LETTERS_TABLE = "dead_letters"
@@ -403,7 +401,7 @@ def _read_postgres(
 
 def _ensure_outbox(conn: psycopg.Connection[Any], schema_name: str) -> None:
     """Raise ``SchemaNotReady`` unless the outbox tables exist (never aborts the transaction)."""
-    schema.ensure_ready(conn, schema=schema_name, required=STATUS_SCHEMA_VERSION, feature="outbox")
+    schema.ensure_ready(conn, schema=schema_name, required=schema.OUTBOX_VERSION, feature="outbox")
 
 
 def _retries_waiting(conn: psycopg.Connection[Any], schema_name: str) -> dict[str, int]:

@@ -69,10 +69,9 @@ from .errors import (
 )
 from .outbox.binding import bind
 from .outbox.broker import OutboxBroker
-from .schema import ensure_ready
+from .schema import IDEMPOTENCY_VERSION, ensure_ready
 
 __all__ = [
-    "IDEMPOTENCY_SCHEMA_VERSION",
     "ActorOptionError",
     "Idempotency",
     "IdempotencyCommitFailed",
@@ -97,8 +96,6 @@ __all__ = [
 
 logger = logging.getLogger("dramatiq_reliable.idempotency")
 
-#: The schema version that holds ``processed_jobs``.
-IDEMPOTENCY_SCHEMA_VERSION = 2
 
 Mode = Literal["transactional", "record", "off"]
 MODES: tuple[Mode, ...] = ("transactional", "record", "off")
@@ -659,7 +656,7 @@ class Idempotency(Middleware):
     def _check_schema(self, conn: psycopg.Connection[Any], schema_name: str) -> None:
         with self._lock:
             if not self._schema_ready:
-                ensure_ready(conn, schema=schema_name, required=IDEMPOTENCY_SCHEMA_VERSION, feature="idempotency")
+                ensure_ready(conn, schema=schema_name, required=IDEMPOTENCY_VERSION, feature="idempotency")
                 self._schema_ready = True
 
     # -- record mode --------------------------------------------------------------------------
@@ -777,7 +774,7 @@ def purge_expired(database: DatabaseLike, *, schema: str = _sql.DEFAULT_SCHEMA, 
     started = time.perf_counter()
     total = 0
     with database.connection() as conn:
-        ensure_ready(conn, schema=schema_name, required=IDEMPOTENCY_SCHEMA_VERSION, feature="idempotency")
+        ensure_ready(conn, schema=schema_name, required=IDEMPOTENCY_VERSION, feature="idempotency")
         conn.rollback()
         with _autocommit(conn):
             while True:

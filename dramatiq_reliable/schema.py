@@ -26,7 +26,10 @@ from . import _sql
 from .errors import SchemaNotReady
 
 __all__ = [
+    "DEAD_LETTERS_VERSION",
+    "IDEMPOTENCY_VERSION",
     "LATEST_VERSION",
+    "OUTBOX_VERSION",
     "Migration",
     "current_version",
     "ensure_ready",
@@ -34,6 +37,12 @@ __all__ = [
     "migration_sql",
     "migrations",
 ]
+
+# The schema version each part needs: the migration that created (or last changed) its tables.
+# Declared here, once, next to the migrations they refer to.
+OUTBOX_VERSION = 1
+IDEMPOTENCY_VERSION = 2
+DEAD_LETTERS_VERSION = 3
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 

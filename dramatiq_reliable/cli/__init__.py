@@ -189,7 +189,7 @@ def _outbox_stats(args: argparse.Namespace) -> int:
     database = _database(args)
     try:
         with database.connection() as conn:
-            schema.ensure_ready(conn, schema=args.schema, required=1, feature="outbox")
+            schema.ensure_ready(conn, schema=args.schema, required=schema.OUTBOX_VERSION, feature="outbox")
             row = _sql.tuples(conn).execute(_sql.query("outbox_stats", args.schema)).fetchone()
     finally:
         database.close()

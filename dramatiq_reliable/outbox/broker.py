@@ -33,8 +33,6 @@ __all__ = ["OutboxBroker"]
 
 logger = logging.getLogger("dramatiq_reliable.outbox")
 
-#: The schema version the outbox needs.
-OUTBOX_SCHEMA_VERSION = 1
 
 Unbound = Literal["autocommit", "error"]
 
@@ -318,7 +316,7 @@ class OutboxBroker(RabbitmqBroker):
     def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
         with self._check_lock:
             try:
-                schema.ensure_ready(conn, schema=self.schema, required=OUTBOX_SCHEMA_VERSION, feature="outbox")
+                schema.ensure_ready(conn, schema=self.schema, required=schema.OUTBOX_VERSION, feature="outbox")
             except psycopg.Error as error:
                 raise OutboxWriteError(
                     f"could not check the outbox schema {self.schema!r}: {type(error).__name__}: {error}; "

@@ -36,7 +36,7 @@ from .._util import first_line as _first_line
 from .._util import is_int as _is_int
 from ..database import Database, DatabaseLike
 from ..errors import BrokerUnavailable, ConfigurationError, SchemaNotReady
-from .broker import OUTBOX_SCHEMA_VERSION, OutboxBroker
+from .broker import OutboxBroker
 from .publisher import Publication, Publisher
 
 __all__ = [
@@ -265,7 +265,7 @@ class Relay:
         started = time.perf_counter()
         with self.database.connection() as conn, conn.transaction():
             if not self._checked_schema:
-                schema.ensure_ready(conn, schema=self.schema, required=OUTBOX_SCHEMA_VERSION, feature="outbox")
+                schema.ensure_ready(conn, schema=self.schema, required=schema.OUTBOX_VERSION, feature="outbox")
                 self._checked_schema = True
             rows = _sql.tuples(conn).execute(_sql.query("outbox_claim", self.schema), (self.batch_size,)).fetchall()
             if not rows:
