@@ -13,6 +13,7 @@ from .dead_letters import DeadLetter, DeadLetterFilter, DeadLetters, DeadLetterS
 from .errors import (
     ActorOptionError,
     BrokerUnavailable,
+    CommitOutcomeUnknown,
     ConfigurationError,
     DatabaseUnavailable,
     IdempotencyConflict,
@@ -36,6 +37,7 @@ __all__ = [
     "ActorOptionError",
     "BrokerUnavailable",
     "ClassifiedRetries",
+    "CommitOutcomeUnknown",
     "ConfigurationError",
     "Database",
     "DatabaseUnavailable",

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeGuard
 
-__all__ = ["check_ms", "first_line", "is_int", "type_name"]
+__all__ = ["check_ms", "first_line", "format_age", "is_int", "redact", "type_name"]
 
 
 def is_int(value: object) -> TypeGuard[int]:
@@ -54,3 +55,18 @@ def format_age(seconds: float | None, *, suffix: str = "") -> str:
     else:
         text = f"{seconds / 86400:.1f}d"
     return text + suffix
+
+
+# user:password@ in a URL, with or without a scheme (a malformed DATABASE_URL may have none, or an
+# unencoded space in the password), and password=... in a libpq key/value string.  The driver
+# echoes a bad connection string in its error text, so every message we print goes through this.
+_URL_PASSWORD = re.compile(
+    r"(?P<user>(?:://|^|(?<=[\s'\"(=]))[^\s:/@'\"]+):(?!//)(?P<password>[^'\"]*?)@(?=[\w.\-\[\]%]+)"
+)
+_KV_PASSWORD = re.compile(r"(?P<key>\bpassword\s*=\s*)(?P<value>'(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """``text`` with every password of a connection string masked, for logs and error messages."""
+    text = _URL_PASSWORD.sub(lambda m: f"{m['user']}:***@", text)
+    return _KV_PASSWORD.sub(lambda m: f"{m['key']}***", text)

@@ -18,6 +18,7 @@ Every error here says what went wrong and ends with the fix, and every one is a
           ├── IdempotencyConflict       (also SkipMessage) a key reused with other arguments
           ├── NoCurrentJob              (also LookupError) job helpers called outside a job
           └── JobCommitFailed           the actor returned but its transaction did not commit
+               └── CommitOutcomeUnknown the connection broke during COMMIT: it may have landed
 
 Dramatiq lets only a ``MiddlewareError`` out of a before-hook (anything else is logged and the
 actor runs anyway), so the errors that must stop a message are also ``MiddlewareError``s:
@@ -37,6 +38,7 @@ from dramatiq.middleware import MiddlewareError, SkipMessage
 __all__ = [
     "ActorOptionError",
     "BrokerUnavailable",
+    "CommitOutcomeUnknown",
     "ConfigurationError",
     "DatabaseUnavailable",
     "IdempotencyConflict",
@@ -168,6 +170,17 @@ class JobCommitFailed(ReliableError):
     """The actor returned but its transaction (with its key) did not commit.
 
     Recorded on the message so its dead letter says why it failed although the actor succeeded.
+    """
+
+    __module__ = _PUBLIC_MODULE
+
+
+class CommitOutcomeUnknown(JobCommitFailed):
+    """The connection broke during the job's ``COMMIT``: the transaction may or may not have landed.
+
+    Not a failure of the job: its processed key makes a retry safe either way (the retry finds
+    the key and skips if the commit did land).  Distinct so that retries, dead letters and
+    metrics can tell an unknown outcome from a commit the server refused.
     """
 
     __module__ = _PUBLIC_MODULE

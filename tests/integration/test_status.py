@@ -203,7 +203,9 @@ def test_collect_health_for_gauges_skips_the_scans_and_reports_backlog_queues(
 
 def test_health_monitor_caches_a_reading_for_its_ttl(broker, queue_name, database_url, db_schema):
     task = _actor(broker, queue_name)
-    monitor = health_lib.HealthMonitor(database=database_url, schema=db_schema, queues=lambda: [queue_name], ttl_ms=60000)
+    monitor = health_lib.HealthMonitor(
+        database=database_url, schema=db_schema, queues=lambda: [queue_name], ttl_ms=60000
+    )
     first = monitor.get()
     task.send()
     assert monitor.get() is first
@@ -237,7 +239,9 @@ def test_register_adds_the_command_to_a_cli_parser_with_its_parents():
 def test_check_health_names_each_crossed_threshold_and_ignores_unknown_numbers():
     health = health_lib.Health(
         queues=(
-            health_lib.QueueHealth(queue="a", depth=5, dead=2, outbox_backlog=1, outbox_oldest_age_s=61.0, dead_letters=0),
+            health_lib.QueueHealth(
+                queue="a", depth=5, dead=2, outbox_backlog=1, outbox_oldest_age_s=61.0, dead_letters=0
+            ),
             health_lib.QueueHealth(queue="b"),  # nothing known: nothing crossed
         ),
         collected_at=0.0,

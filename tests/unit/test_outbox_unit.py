@@ -7,10 +7,10 @@ import argparse
 import pytest
 
 from dramatiq_reliable import ConfigurationError, OutboxBroker, Relay, bind, schema
-from dramatiq_reliable.outbox.binding import bound_connection
 from dramatiq_reliable._sql import compose, validate_schema
 from dramatiq_reliable.cli.common import duration_ms as _duration_ms
 from dramatiq_reliable.database import Database
+from dramatiq_reliable.outbox.binding import bound_connection
 
 
 def test_bind_rejects_what_is_not_a_psycopg_connection_and_says_what_to_pass():

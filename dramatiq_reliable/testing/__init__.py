@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .outbox.broker import OutboxBroker
-from .outbox.relay import Relay
+from ..outbox.broker import OutboxBroker
+from ..outbox.relay import Relay
 
 __all__ = ["drain_outbox", "wait_for"]
 
