@@ -1,0 +1,213 @@
+"""Metrics: the instruments Tracing records into, and the health gauges read from Postgres and RabbitMQ.
+
+The counters and histograms are the messaging conventions' plus ours (retries, dead letters,
+duplicates); the spans' code records into them.  The gauges are observable: the SDK calls them
+when it collects, and they all read one :class:`~dramatiq_reliable.health.HealthMonitor`
+reading, cached for ``cache_ms``, so a scrape costs one backlog query and a few passive declares
+however many gauges and queues there are.  Names are in :mod:`.semconv`; ``docs/tracing.md``
+has the tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterable
+from typing import Final
+
+from dramatiq.broker import Broker
+from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
+
+from .._sql import DEFAULT_SCHEMA
+from ..health import Health, HealthMonitor, QueueDepths, QueueHealth
+from ..outbox.broker import OutboxBroker
+from . import semconv as names
+
+__all__ = ["HealthGauges", "Instruments"]
+
+# The conventions' advice for messaging durations, in seconds.
+DURATION_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruments:
+    """The synchronous instruments, created once per ``Tracing`` on its meter."""
+
+    sent: Counter
+    consumed: Counter
+    process_duration: Histogram
+    operation_duration: Histogram
+    retries: Counter
+    dead_lettered: Counter
+    duplicates: Counter
+
+    @classmethod
+    def create(cls, meter: metrics.Meter) -> Instruments:
+        return cls(
+            sent=meter.create_counter(
+                names.METRIC_CLIENT_SENT_MESSAGES, unit="{message}", description="Messages published to RabbitMQ."
+            ),
+            consumed=meter.create_counter(
+                names.METRIC_CLIENT_CONSUMED_MESSAGES,
+                unit="{message}",
+                description="Messages delivered to an actor (one per processing attempt).",
+            ),
+            process_duration=meter.create_histogram(
+                names.METRIC_PROCESS_DURATION,
+                unit="s",
+                description="Duration of processing one message, middleware included.",
+                explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+            ),
+            operation_duration=meter.create_histogram(
+                names.METRIC_CLIENT_OPERATION_DURATION,
+                unit="s",
+                description="Duration of an outbox insert (create) or a publish to RabbitMQ (send).",
+                explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+            ),
+            retries=meter.create_counter(
+                names.METRIC_RETRIES, unit="{retry}", description="Retries scheduled, by category and reason."
+            ),
+            dead_lettered=meter.create_counter(
+                names.METRIC_DEAD_LETTERED,
+                unit="{message}",
+                description="Messages that failed for good (dead-lettered), by error type and reason.",
+            ),
+            duplicates=meter.create_counter(
+                names.METRIC_DUPLICATES_SKIPPED,
+                unit="{message}",
+                description="Messages skipped by Idempotency as duplicates of one that already ran.",
+            ),
+        )
+
+
+class HealthGauges:
+    """Observable gauges of the outbox backlog and its oldest row, pending dead letters and queue depth.
+
+    The reading is built on first collection from the broker Tracing last saw (an
+    :class:`~dramatiq_reliable.OutboxBroker` gives Postgres, a ``RabbitmqBroker`` the depths), so
+    the gauges cost nothing in a process that never collects.  While a service is unreachable
+    its gauges report nothing rather than a misleading zero.
+
+    Parameters:
+      meter: where the gauges are registered.
+      broker: returns the broker to read, or ``None`` while none is known yet.
+      queue_depth: also register the RabbitMQ queue-depth gauge (one dedicated connection).
+      cache_ms: how long one reading serves every gauge.
+    """
+
+    def __init__(
+        self, meter: metrics.Meter, *, broker: Callable[[], Broker | None], queue_depth: bool, cache_ms: int
+    ) -> None:
+        self._broker = broker
+        self._queue_depth = queue_depth
+        self._cache_ms = cache_ms
+        self._monitor: HealthMonitor | None = None
+        self._lock = threading.Lock()
+        meter.create_observable_gauge(
+            names.METRIC_OUTBOX_BACKLOG,
+            callbacks=[self._observe_backlog],
+            unit="{message}",
+            description="Committed outbox rows not yet published, by queue.",
+        )
+        meter.create_observable_gauge(
+            names.METRIC_OUTBOX_OLDEST_AGE,
+            callbacks=[self._observe_oldest],
+            unit="s",
+            description="Age of the oldest unpublished outbox row, by queue (a dead relay shows here).",
+        )
+        meter.create_observable_gauge(
+            names.METRIC_DEAD_LETTERS_PENDING,
+            callbacks=[self._observe_dead_letters],
+            unit="{message}",
+            description="Dead letters neither replayed nor discarded, by queue.",
+        )
+        if queue_depth:
+            meter.create_observable_gauge(
+                names.METRIC_QUEUE_DEPTH,
+                callbacks=[self._observe_depth],
+                unit="{message}",
+                description="Ready messages in RabbitMQ, by queue and kind (ready, delayed, dead).",
+            )
+
+    def disconnect(self) -> None:
+        """Close the RabbitMQ connection of the reading (the next collection reopens it)."""
+        with self._lock:
+            monitor = self._monitor
+        if monitor is not None:
+            monitor.close()
+
+    def close(self) -> None:
+        """Close and forget the reading: a later collection builds it again from the broker."""
+        with self._lock:
+            monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            monitor.close()
+
+    def _health(self) -> Health | None:
+        broker = self._broker()
+        if broker is None:
+            return None
+        with self._lock:
+            if self._monitor is None:
+                self._monitor = self._build_monitor(broker)
+            monitor = self._monitor
+        return monitor.get() if monitor is not None else None
+
+    def _build_monitor(self, broker: Broker) -> HealthMonitor | None:
+        if isinstance(broker, OutboxBroker):
+            database, schema_name = broker.database, broker.schema
+        else:
+            database, schema_name = None, DEFAULT_SCHEMA
+        depths = None
+        if self._queue_depth and isinstance(broker, RabbitmqBroker):
+            depths = QueueDepths(parameters=broker.parameters)
+        if database is None and depths is None:
+            return None
+
+        def queues() -> Iterable[str]:
+            return sorted(broker.get_declared_queues())
+
+        return HealthMonitor(
+            database=database,
+            schema=schema_name,
+            rabbitmq=depths,
+            queues=queues,
+            ttl_ms=self._cache_ms,
+        )
+
+    def _observe_postgres(self, read: Callable[[QueueHealth], float | int | None]) -> list[Observation]:
+        """One observation per queue of a number read from Postgres (none while it is unreachable)."""
+        health = self._health()
+        if health is None or health.postgres_error:
+            return []
+        return [
+            Observation(value, {names.MESSAGING_DESTINATION_NAME: item.queue})
+            for item in health.queues
+            if (value := read(item)) is not None
+        ]
+
+    def _observe_backlog(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._observe_postgres(lambda item: item.outbox_backlog)
+
+    def _observe_oldest(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._observe_postgres(
+            lambda item: None if item.outbox_backlog is None else (item.outbox_oldest_age_s or 0.0)
+        )
+
+    def _observe_dead_letters(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._observe_postgres(lambda item: item.dead_letters)
+
+    def _observe_depth(self, options: CallbackOptions) -> Iterable[Observation]:
+        health = self._health()
+        if health is None or health.rabbitmq_error:
+            return []
+        observations = []
+        for item in health.queues:
+            for kind, value in (("ready", item.depth), ("delayed", item.delayed), ("dead", item.dead)):
+                if value is not None:
+                    observations.append(
+                        Observation(value, {names.MESSAGING_DESTINATION_NAME: item.queue, names.QUEUE_KIND: kind})
+                    )
+        return observations
