@@ -7,10 +7,15 @@ marks the span and counts the duplicate; a ``retry.*`` event stops Tracing writi
 One emitted right after the attempt ended, from the ack/nack hooks (``dead_letter.stored``),
 becomes a short INTERNAL child of the attempt's span.  ``outbox.batch_published`` goes to the
 relay spans.  Anything else is left to the logging listener.
+
+An event's fields are converted to attributes only when a recording span will hold them: most
+events find no span (relay threads, the CLI) or a non-recording one (no SDK, sampled out).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections.abc import Sequence
 
 from opentelemetry import trace
@@ -40,21 +45,22 @@ class EventBridge:
         if name == names.RELAY_BATCH_EVENT:
             self._relay.record(event)
             return
-        attributes = _event_attributes(event)
-        message_id = attributes.get("message_id")
-        state = self._spans.state()
-        attempt = state.attempt
+        fields = _Fields(event)
+        message_id = fields.get("message_id")
+        state = self._spans.current()
+        attempt = state.attempt if state is not None else None
+        finished = state.finished if state is not None else None
         destination: str | None = None
         if attempt is not None and (message_id is None or message_id == attempt.message_id):
-            attempt.span.add_event(name, attributes)
+            if attempt.span.is_recording():
+                attempt.span.add_event(name, fields.attributes())
             destination = attempt.destination
             if name.startswith(names.RETRY_EVENT_PREFIX):
                 attempt.retry_event_seen = True
             elif name == names.DUPLICATE_EVENT:
                 attempt.span.set_attribute(names.DUPLICATE, True)
-        elif state.finished is not None and message_id == state.finished.message_id:
+        elif finished is not None and message_id == finished.message_id:
             # Emitted from the ack/nack hooks, after the attempt's span ended: a short child.
-            finished = state.finished
             destination = finished.destination
             span = self._tracer.start_span(
                 name,
@@ -65,18 +71,61 @@ class EventBridge:
                     names.MESSAGING_DESTINATION_NAME: destination,
                 },
             )
-            span.add_event(name, attributes)
+            if span.is_recording():
+                span.add_event(name, fields.attributes())
             span.end()
         if name == names.DUPLICATE_EVENT:
-            queue = destination or attributes.get("queue_name")
+            queue = destination or fields.get("queue_name")
             self._instruments.duplicates.add(1, {names.MESSAGING_DESTINATION_NAME: str(queue)} if queue else {})
 
 
-def _event_attributes(event: object) -> dict[str, AttributeValue]:
-    """An event's fields as span-event attributes: scalars kept, anything else as short text."""
-    as_attributes = getattr(event, "as_attributes", None)
-    raw = as_attributes() if callable(as_attributes) else {}
-    return {str(key): _attribute_value(value) for key, value in (raw or {}).items() if value is not None}
+class _Fields:
+    """An event's fields as span-event attributes, converted when first needed.
+
+    Looking up one field of an event that keeps :meth:`events.Event.as_attributes` (its
+    dataclass fields) reads that field alone; any other event's ``as_attributes()`` is called
+    once, on first use.
+    """
+
+    __slots__ = ("_all", "_event")
+
+    def __init__(self, event: object) -> None:
+        self._event = event
+        self._all: dict[str, AttributeValue] | None = None
+
+    def get(self, key: str) -> AttributeValue | None:
+        plain = _plain_fields(type(self._event))
+        if plain is None or self._all is not None:
+            return self.attributes().get(key)
+        if key not in plain:
+            return None
+        value = getattr(self._event, key)
+        return None if value is None else _attribute_value(value)
+
+    def attributes(self) -> dict[str, AttributeValue]:
+        if self._all is None:
+            as_attributes = getattr(self._event, "as_attributes", None)
+            raw = as_attributes() if callable(as_attributes) else {}
+            self._all = {str(key): _attribute_value(value) for key, value in (raw or {}).items() if value is not None}
+        return self._all
+
+
+# Per event class (weakly: a class defined in a function may go away); a race only computes
+# the same answer twice.
+_PLAIN_FIELDS: weakref.WeakKeyDictionary[type, frozenset[str] | None] = weakref.WeakKeyDictionary()
+
+
+def _plain_fields(cls: type) -> frozenset[str] | None:
+    """The fields of an event class whose attributes are its dataclass fields; ``None`` for any other."""
+    try:
+        return _PLAIN_FIELDS[cls]
+    except KeyError:
+        pass
+    plain = None
+    if dataclasses.is_dataclass(cls) and getattr(cls, "as_attributes", None) is events.Event.as_attributes:
+        plain = frozenset(field.name for field in dataclasses.fields(cls))
+    _PLAIN_FIELDS[cls] = plain
+    return plain
 
 
 def _attribute_value(value: object) -> AttributeValue:

@@ -114,6 +114,11 @@ class SpanRecorder:
                 self._states.add(state)
         return state
 
+    def current(self) -> ThreadState | None:
+        """This thread's state if it has any (an event from a thread that never traced creates none)."""
+        state: ThreadState | None = getattr(self._local, "state", None)
+        return state
+
     def sweep(self) -> None:
         """End spans left open in any thread (enqueues that raised); attempts are left to their thread."""
         with self._states_lock:
@@ -369,24 +374,12 @@ class SpanRecorder:
 
     def _record_decision(self, attempt: Attempt, decision: Mapping[str, Any]) -> None:
         retry = bool(decision.get("retry"))
-        outcome = decision.get("outcome") or ("retry" if retry else "fail")
-        delay_ms = decision.get("delay_ms")
-        if delay_ms is None and retry:
-            delay_ms = attempt.retry_delay_ms
-        values: dict[str, AttributeValue] = {names.RETRY_OUTCOME: str(outcome)}
-        for key, name in (("category", names.RETRY_CATEGORY), ("reason", names.RETRY_REASON)):
-            if isinstance(decision.get(key), str):
-                values[name] = decision[key]
-        values[names.RETRY_ATTEMPT] = propagation.int_or(decision.get("attempt"), attempt.attempt)
-        if is_int(delay_ms):
-            values[names.RETRY_DELAY_MS] = delay_ms
-        status = decision.get("http_status")
-        if is_int(status):
-            values[names.HTTP_RESPONSE_STATUS_CODE] = status
-        attempt.span.set_attributes(values)
-        if not attempt.retry_event_seen:
-            # No ClassifiedRetries event reached this span: say it ourselves, same names.
-            attempt.span.add_event(names.RETRY_SCHEDULED_EVENT if retry else names.RETRY_GAVE_UP_EVENT, values)
+        if attempt.span.is_recording():
+            values = _decision_attributes(attempt, decision, retry)
+            attempt.span.set_attributes(values)
+            if not attempt.retry_event_seen:
+                # No ClassifiedRetries event reached this span: say it ourselves, same names.
+                attempt.span.add_event(names.RETRY_SCHEDULED_EVENT if retry else names.RETRY_GAVE_UP_EVENT, values)
         if retry:
             self._instruments.retries.add(
                 1,
@@ -425,9 +418,9 @@ class SpanRecorder:
             attempt.span.end()
         finally:
             state.finished = Finished(attempt.message_id, attempt.span.get_span_context(), attempt.destination)
-            attributes = dict(attempt.metric_attributes)
+            attributes = attempt.metric_attributes
             if error_type is not None:
-                attributes[names.ERROR_TYPE] = error_type
+                attributes = {**attributes, names.ERROR_TYPE: error_type}
             self._instruments.process_duration.record(time.perf_counter() - attempt.started, attributes)
 
 
@@ -439,6 +432,25 @@ def _end_stale_send(stale: Send) -> None:
     stale.span.set_status(Status(StatusCode.ERROR, "enqueue did not complete"))
     stale.span.set_attribute(names.ERROR_TYPE, names.ERROR_TYPE_OTHER)
     stale.span.end()
+
+
+def _decision_attributes(attempt: Attempt, decision: Mapping[str, Any], retry: bool) -> dict[str, AttributeValue]:
+    """The retry decision as span attributes (the same go on the span and on its retry event)."""
+    outcome = decision.get("outcome") or ("retry" if retry else "fail")
+    delay_ms = decision.get("delay_ms")
+    if delay_ms is None and retry:
+        delay_ms = attempt.retry_delay_ms
+    values: dict[str, AttributeValue] = {names.RETRY_OUTCOME: str(outcome)}
+    for key, name in (("category", names.RETRY_CATEGORY), ("reason", names.RETRY_REASON)):
+        if isinstance(decision.get(key), str):
+            values[name] = decision[key]
+    values[names.RETRY_ATTEMPT] = propagation.int_or(decision.get("attempt"), attempt.attempt)
+    if is_int(delay_ms):
+        values[names.RETRY_DELAY_MS] = delay_ms
+    status = decision.get("http_status")
+    if is_int(status):
+        values[names.HTTP_RESPONSE_STATUS_CODE] = status
+    return values
 
 
 def _inferred_decision(attempt: Attempt, message: MessageProxy) -> dict[str, Any] | None:

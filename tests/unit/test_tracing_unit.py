@@ -15,7 +15,8 @@ import pytest
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import Middleware, Retries, SkipMessage
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind, StatusCode
 from support import Otel
 
@@ -226,6 +227,83 @@ def test_a_message_a_middleware_fails_and_skips_is_an_error_named_after_the_skip
     assert attempt.attributes["dramatiq_reliable.dead_lettered"] is True
     assert "exception" in [event.name for event in attempt.events]
     assert otel.total("dramatiq_reliable.dead_lettered") == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Noted(events.Event):
+    """An event with a field that counts how often it is turned into text."""
+
+    name: ClassVar[str] = "custom.noted"
+    message_id: str
+    detail: object
+
+
+class Counted:
+    conversions: ClassVar[list[int]] = []
+
+    def __str__(self) -> str:
+        Counted.conversions.append(1)
+        return "counted"
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_event_fields_are_converted_only_when_a_recording_span_takes_them(otel, sampled):
+    tracer_provider = otel.tracer_provider if sampled else TracerProvider(sampler=ALWAYS_OFF)
+    middleware = Tracing(tracer_provider=tracer_provider, meter_provider=otel.meter_provider, health_metrics=False)
+
+    class Notes(Middleware):
+        def before_process_message(self, broker: Any, message: Any) -> None:
+            events.emit(Noted(message_id=message.message_id, detail=Counted()))
+            events.emit(DuplicateSkipped(message_id=message.message_id, key="k"))
+
+    try:
+        broker = make_broker(middleware, Notes())
+
+        @dramatiq.actor(broker=broker)
+        def job() -> None:
+            pass
+
+        Counted.conversions.clear()
+        job.send()
+        run(broker)
+        events.emit(Noted(message_id="not-running-here", detail=Counted()))  # no span on this thread
+    finally:
+        middleware.close()
+
+    assert len(Counted.conversions) == (1 if sampled else 0)
+    # Metrics do not depend on the span recording.
+    assert otel.total("dramatiq_reliable.duplicates_skipped", **{"messaging.destination.name": "default"}) == 1
+    if sampled:
+        (attempt,) = otel.spans("process default")
+        (noted,) = [event for event in attempt.events if event.name == "custom.noted"]
+        assert noted.attributes["detail"] == "counted"
+
+
+def test_an_event_with_its_own_as_attributes_lands_on_the_span_of_the_message_it_names(otel, tracing):
+    @dataclasses.dataclass(frozen=True)
+    class Renamed(events.Event):
+        name: ClassVar[str] = "custom.renamed"
+        job_id: str
+
+        def as_attributes(self) -> dict[str, Any]:
+            return {"message_id": self.job_id, "note": "from as_attributes"}
+
+    class EmitsForAnother(Middleware):
+        def before_process_message(self, broker: Any, message: Any) -> None:
+            events.emit(Renamed(job_id=message.message_id))
+            events.emit(Renamed(job_id="another message"))
+
+    broker = make_broker(tracing, EmitsForAnother())
+
+    @dramatiq.actor(broker=broker)
+    def job() -> None:
+        pass
+
+    job.send()
+    run(broker)
+    (attempt,) = otel.spans("process default")
+    (renamed,) = [event for event in attempt.events if event.name == "custom.renamed"]
+    assert renamed.attributes["note"] == "from as_attributes"
 
 
 # -- context handling ---------------------------------------------------------------------------------
