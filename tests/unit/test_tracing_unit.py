@@ -600,3 +600,44 @@ def test_a_stub_broker_has_no_health_gauges_and_reading_them_does_nothing(otel, 
 def test_tracing_validates_its_arguments(kwargs, fix):
     with pytest.raises(ConfigurationError, match=fix):
         Tracing(**kwargs)
+
+
+def test_the_conventions_names_match_the_opentelemetry_semantic_conventions_package():
+    messaging = pytest.importorskip("opentelemetry.semconv._incubating.attributes.messaging_attributes")
+    messaging_metrics = pytest.importorskip("opentelemetry.semconv._incubating.metrics.messaging_metrics")
+    from opentelemetry.semconv.attributes import error_attributes, http_attributes
+
+    from dramatiq_reliable.tracing import semconv
+
+    assert semconv.MESSAGING_SYSTEM == messaging.MESSAGING_SYSTEM
+    assert semconv.MESSAGING_OPERATION_TYPE == messaging.MESSAGING_OPERATION_TYPE
+    assert semconv.MESSAGING_OPERATION_NAME == messaging.MESSAGING_OPERATION_NAME
+    assert semconv.MESSAGING_DESTINATION_NAME == messaging.MESSAGING_DESTINATION_NAME
+    assert semconv.MESSAGING_MESSAGE_ID == messaging.MESSAGING_MESSAGE_ID
+    assert semconv.MESSAGING_MESSAGE_BODY_SIZE == messaging.MESSAGING_MESSAGE_BODY_SIZE
+    assert semconv.MESSAGING_BATCH_MESSAGE_COUNT == messaging.MESSAGING_BATCH_MESSAGE_COUNT
+    assert semconv.MESSAGING_RABBITMQ_ROUTING_KEY == messaging.MESSAGING_RABBITMQ_DESTINATION_ROUTING_KEY
+    assert messaging.MessagingSystemValues.RABBITMQ.value == semconv.SYSTEM_RABBITMQ
+    operations = messaging.MessagingOperationTypeValues
+    assert (
+        operations.CREATE.value,
+        operations.SEND.value,
+        operations.PROCESS.value,
+    ) == (semconv.OPERATION_CREATE, semconv.OPERATION_SEND, semconv.OPERATION_PROCESS)
+    assert semconv.ERROR_TYPE == error_attributes.ERROR_TYPE
+    assert error_attributes.ErrorTypeValues.OTHER.value == semconv.ERROR_TYPE_OTHER
+    assert semconv.HTTP_RESPONSE_STATUS_CODE == http_attributes.HTTP_RESPONSE_STATUS_CODE
+    assert semconv.METRIC_CLIENT_SENT_MESSAGES == messaging_metrics.MESSAGING_CLIENT_SENT_MESSAGES
+    assert semconv.METRIC_CLIENT_CONSUMED_MESSAGES == messaging_metrics.MESSAGING_CLIENT_CONSUMED_MESSAGES
+    assert semconv.METRIC_PROCESS_DURATION == messaging_metrics.MESSAGING_PROCESS_DURATION
+    assert semconv.METRIC_CLIENT_OPERATION_DURATION == messaging_metrics.MESSAGING_CLIENT_OPERATION_DURATION
+
+
+def test_the_tracing_package_keeps_its_import_paths():
+    import dramatiq_reliable
+    import dramatiq_reliable.tracing as package
+    from dramatiq_reliable.tracing.middleware import Tracing as Defined
+
+    assert dramatiq_reliable.Tracing is package.Tracing is Defined
+    assert (package.TRACE_CONTEXT_KEY, package.PREVIOUS_ATTEMPT_KEY) == ("trace_context", "trace_previous_attempt")
+    assert (package.TRACE_ORIGIN_KEY, package.TRACE_REPLAY_KEY) == ("trace_origin", "trace_replay")
