@@ -227,14 +227,29 @@ def test_gauges_read_the_outbox_backlog_and_queue_depth(traced, queue_name, otel
             task.send()
     dest = {"messaging.destination.name": queue_name}
     assert otel.total("dramatiq_reliable.outbox.backlog", **dest) == 3
-    assert otel.total("dramatiq_reliable.outbox.oldest_age", **dest) >= 0
+
+    def oldest_age_s() -> float:
+        """The oldest unpublished row's age now, by the database's clock (the gauge's clock)."""
+        query = "SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {}.outbox WHERE published_at IS NULL"
+        (age,) = db.execute(psycopg.sql.SQL(query).format(psycopg.sql.Identifier(db_schema))).fetchone()
+        return float(age)
+
+    def read_oldest_age_gauge() -> tuple[float, float, float]:
+        """The gauge, between the true ages just before and just after it was read (it rounds to 1 ms)."""
+        before = oldest_age_s()
+        gauge = otel.total("dramatiq_reliable.outbox.oldest_age", **dest)
+        return before - 0.001, gauge, oldest_age_s() + 0.001
+
+    low, gauge, high = read_oldest_age_gauge()
+    assert low <= gauge <= high
     # Age the rows: the oldest-age gauge follows the oldest row.
     db.execute(
         psycopg.sql.SQL("UPDATE {}.outbox SET created_at = created_at - interval '90 seconds'").format(
             psycopg.sql.Identifier(db_schema)
         )
     )
-    assert otel.total("dramatiq_reliable.outbox.oldest_age", **dest) >= 90
+    low, gauge, high = read_oldest_age_gauge()
+    assert 90 <= low <= gauge <= high
     assert drain_outbox(traced) == 3
     assert otel.total("dramatiq_reliable.outbox.backlog", **dest) == 0
     wait_for(lambda: rabbit.count(queue_name) == 3, message="published messages not in RabbitMQ")
