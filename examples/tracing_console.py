@@ -1,7 +1,8 @@
 """One order, one trace: a request, the outbox, the relay, a failed charge, its retry and the receipt.
 
 Run with ``python examples/tracing_console.py`` (local Postgres and RabbitMQ, or DATABASE_URL /
-RABBITMQ_URL).  It configures the OpenTelemetry SDK with a console exporter, places an order
+RABBITMQ_URL).  It needs the OpenTelemetry SDK, which a plain install of dramatiq-reliable does
+not bring (``pip install opentelemetry-sdk``; it exits with status 2 saying so when missing).  It configures the OpenTelemetry SDK with a console exporter, places an order
 in a request span (the order row and the ``charge`` message commit together), runs a worker
 with the in-process relay, lets the first charge fail with a timeout so ``ClassifiedRetries``
 retries it, and sends the receipt from the successful attempt.  Then it prints that one trace
@@ -24,16 +25,20 @@ from collections.abc import Sequence
 import dramatiq
 import psycopg
 from opentelemetry import trace
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from dramatiq_reliable import OutboxBroker, WorkerRelay, migrate
-from dramatiq_reliable.tracing import Tracing
+try:  # the SDK exports spans; dramatiq-reliable itself needs only opentelemetry-api
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+except ImportError:
+    print("this example needs the OpenTelemetry SDK: pip install opentelemetry-sdk", file=sys.stderr)
+    sys.exit(2)
+
+from dramatiq_reliable import ClassifiedRetries, OutboxBroker, Tracing, WorkerRelay, build_middleware, migrate
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -60,22 +65,10 @@ def one_line(span: ReadableSpan) -> str:
 
 # health_cache_ms=0: the metrics printed at the end are read then, not at the shutdown flush.
 tracing = Tracing(tracer_provider=tracer_provider, meter_provider=meter_provider, health_cache_ms=0)
-try:
-    from dramatiq_reliable.retries import ClassifiedRetries, build_middleware
-
-    middleware = build_middleware(
-        retries=ClassifiedRetries(min_backoff=300, max_backoff=600),
-        middleware=[tracing, WorkerRelay(poll_interval_ms=100)],  # the relay runs inside the worker
-    )
-except ImportError:  # an older checkout without ClassifiedRetries: Dramatiq's Retries does the same here
-    from dramatiq.middleware import Retries, default_middleware
-
-    middleware = [
-        tracing,
-        WorkerRelay(poll_interval_ms=100),
-        *(m() for m in default_middleware if m is not Retries),
-        Retries(min_backoff=300),
-    ]
+middleware = build_middleware(
+    retries=ClassifiedRetries(min_backoff=300, max_backoff=600),
+    middleware=[tracing, WorkerRelay(poll_interval_ms=100)],  # the relay runs inside the worker
+)
 
 migrate(DATABASE_URL, schema=SCHEMA)
 broker = OutboxBroker(url=RABBITMQ_URL, database=DATABASE_URL, schema=SCHEMA, middleware=middleware)

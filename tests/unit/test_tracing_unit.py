@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import pathlib
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -641,3 +644,17 @@ def test_the_tracing_package_keeps_its_import_paths():
     assert dramatiq_reliable.Tracing is package.Tracing is Defined
     assert (package.TRACE_CONTEXT_KEY, package.PREVIOUS_ATTEMPT_KEY) == ("trace_context", "trace_previous_attempt")
     assert (package.TRACE_ORIGIN_KEY, package.TRACE_REPLAY_KEY) == ("trace_origin", "trace_replay")
+
+
+def test_the_console_example_names_the_missing_sdk_and_exits_2():
+    example = pathlib.Path(__file__).parents[2] / "examples" / "tracing_console.py"
+    # A None entry in sys.modules makes the import fail, as on a plain install without the SDK.
+    code = (
+        "import runpy, sys; sys.modules['opentelemetry.sdk'] = None; "
+        f"runpy.run_path({str(example)!r}, run_name='__main__')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "this example needs the OpenTelemetry SDK: pip install opentelemetry-sdk"
+    ]
