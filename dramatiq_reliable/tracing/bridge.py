@@ -40,6 +40,10 @@ class EventBridge:
         self._relay = relay
         self._instruments = instruments
 
+    def __repr__(self) -> str:
+        # What events.emit names when a listener fails: say whose it is.
+        return "<Tracing event bridge>"
+
     def __call__(self, event: events.Event) -> None:
         name = str(getattr(event, "name", "") or "event")
         if name == names.RELAY_BATCH_EVENT:
