@@ -5,7 +5,17 @@ from __future__ import annotations
 import re
 from typing import Any, TypeGuard
 
-__all__ = ["check_ms", "first_line", "format_age", "is_int", "redact", "type_name"]
+__all__ = [
+    "check_ms",
+    "first_line",
+    "format_age",
+    "is_int",
+    "rabbitmq_address",
+    "rabbitmq_error",
+    "rabbitmq_reason",
+    "redact",
+    "type_name",
+]
 
 
 def is_int(value: object) -> TypeGuard[int]:
@@ -70,3 +80,71 @@ def redact(text: str) -> str:
     """``text`` with every password of a connection string masked, for logs and error messages."""
     text = _URL_PASSWORD.sub(lambda m: f"{m['user']}:***@", text)
     return _KV_PASSWORD.sub(lambda m: f"{m['key']}***", text)
+
+
+def rabbitmq_address(parameters: Any) -> str:
+    """``host:port`` of pika connection parameters (a list gives each, comma-separated).
+
+    Never the credentials: it reads only ``host`` and ``port``, so it is safe in any message.
+    """
+    items = parameters if isinstance(parameters, (list, tuple)) else [parameters]
+    addresses = []
+    for item in items:
+        host, port = getattr(item, "host", None), getattr(item, "port", None)
+        host = f"[{host}]" if isinstance(host, str) and ":" in host else host
+        addresses.append(f"{host}:{port}" if host is not None else "?")
+    return ", ".join(addresses) or "?"
+
+
+def rabbitmq_reason(error: BaseException) -> str:
+    """Why pika could not talk to RabbitMQ, said once: ``connection refused``, ``login refused ...``.
+
+    pika nests its connection errors three deep (``AMQPConnectionError`` holding an
+    ``AMQPConnectorSocketConnectError`` holding the ``OSError``), and each level's text repeats
+    the ones below; this walks down to the innermost error and names it in plain words.
+    """
+    import socket
+
+    import pika.exceptions
+
+    seen: set[int] = set()
+    while id(error) not in seen:
+        seen.add(id(error))
+        inner = getattr(error, "exception", None)
+        if not isinstance(inner, BaseException):
+            nested = getattr(error, "exceptions", None)
+            inner = nested[-1] if isinstance(nested, (list, tuple)) and nested else None
+        if not isinstance(inner, BaseException) and error.args and isinstance(error.args[0], BaseException):
+            inner = error.args[0]
+        if not isinstance(inner, BaseException):
+            break
+        error = inner
+    text = " ".join(str(part) for part in error.args if not isinstance(part, BaseException)).strip()
+    if isinstance(error, pika.exceptions.ProbableAuthenticationError):
+        return "login refused: check the user and password"
+    if isinstance(error, pika.exceptions.ProbableAccessDeniedError):
+        return f"access refused ({_closed_reason(text)}): check the virtual host and the user's permissions"
+    if isinstance(error, pika.exceptions.IncompatibleProtocolError):
+        return "the server does not speak AMQP 0-9-1: is this RabbitMQ's port?"
+    if isinstance(error, pika.exceptions.ConnectionClosed) and len(error.args) == 2:
+        return f"RabbitMQ closed the connection ({error.args[0]} {error.args[1]})"
+    if isinstance(error, socket.gaierror):
+        return f"cannot resolve the host name ({error.strerror or text})"
+    if isinstance(error, (TimeoutError, socket.timeout)) or type(error).__name__.endswith("Timeout"):
+        return "timed out"
+    if isinstance(error, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror[:1].lower() + error.strerror[1:]
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _closed_reason(text: str) -> str:
+    # "ConnectionClosedByBroker: (530) 'NOT_ALLOWED - vhost x not found'" -> "530 NOT_ALLOWED - vhost x not found"
+    match = re.search(r"\((\d+)\)\s*'?(.*?)'?$", text)
+    return f"{match[1]} {match[2]}" if match else text
+
+
+def rabbitmq_error(error: BaseException, parameters: Any) -> str:
+    """``cannot reach RabbitMQ at host:port: <reason>``: one line, no credentials."""
+    return f"cannot reach RabbitMQ at {rabbitmq_address(parameters)}: {redact(rabbitmq_reason(error))}"

@@ -79,4 +79,7 @@ def emit(event: Event) -> None:
 
 
 def _format(attributes: dict[str, Any]) -> str:
-    return " ".join(f"{key}={value!r}" for key, value in attributes.items())
+    # Durations are floats of milliseconds: three decimals are plenty for a log line.
+    return " ".join(
+        f"{key}={round(value, 3) if isinstance(value, float) else value!r}" for key, value in attributes.items()
+    )

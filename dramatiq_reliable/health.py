@@ -13,7 +13,8 @@ What each number means, and why it matters:
 * ``depth``: ready messages in the queue.  Growing steadily means workers cannot keep up.
 * ``delayed``: ready messages in ``<queue>.DQ``.  Delayed messages a worker has already
   fetched sit unacked in its memory, which RabbitMQ's passive declare does not count.
-* ``dead``: messages in ``<queue>.XQ``, RabbitMQ's copy of every failed message.
+* ``xq``: messages in ``<queue>.XQ``, RabbitMQ's copy of every failed message.  Named after
+  the queue, not "dead", so that "dead letters" means one thing: the rows in Postgres.
 * ``outbox_backlog`` / ``outbox_oldest_age_s``: committed messages not yet published.  An old
   row is the signal of a relay that quietly died.
 * ``dead_letters`` / ``dead_letters_newest_age_s``: rows in the dead-letter table not yet
@@ -44,7 +45,7 @@ from psycopg.rows import tuple_row
 from psycopg_pool import PoolTimeout
 
 from . import _sql, schema
-from ._util import check_ms, format_age
+from ._util import check_ms, first_line, format_age, rabbitmq_error, redact
 from .database import Database
 from .errors import ConfigurationError, SchemaNotReady
 
@@ -77,7 +78,7 @@ class QueueHealth:
     queue: str
     depth: int | None = None
     delayed: int | None = None
-    dead: int | None = None
+    xq: int | None = None
     consumers: int | None = None
     outbox_backlog: int | None = None
     outbox_failing: int | None = None
@@ -91,8 +92,10 @@ class QueueHealth:
 class Health:
     """One reading of every queue's numbers, and what could not be reached.
 
-    ``postgres_error`` / ``rabbitmq_error`` hold a one-line reason (never a URL) when that
-    service could not be read; the numbers it would have given are then ``None``.
+    ``postgres_error`` / ``rabbitmq_error`` hold a one-line reason (never a password) when
+    that service could not be read; the numbers it would have given are then ``None``.
+    ``counted`` names the numbers that were read, so a total over no queue is ``0`` where the
+    service answered and ``None`` where it was skipped or down.
     """
 
     queues: tuple[QueueHealth, ...]
@@ -100,6 +103,7 @@ class Health:
     postgres_error: str | None = None
     rabbitmq_error: str | None = None
     dead_letters_table: bool | None = None
+    counted: frozenset[str] = frozenset()
 
     @property
     def ok(self) -> bool:
@@ -126,18 +130,24 @@ class Health:
         }
 
     def totals(self) -> dict[str, Any]:
-        """Sums over the queues (the oldest and newest ages are the extremes)."""
+        """Sums over the queues (the oldest and newest ages are the extremes).
+
+        A count is ``0`` when its service answered, even with no queue to add up, and ``None``
+        only when it is unknown; an age is ``None`` when there is no row to be old.
+        """
 
         def total(field: str) -> int | None:
-            values = [getattr(item, field) for item in self.queues if getattr(item, field) is not None]
-            return sum(values) if values else None
+            values: list[int] = [getattr(item, field) for item in self.queues if getattr(item, field) is not None]
+            if values:
+                return sum(values)
+            return 0 if field in self.counted else None
 
         ages = [item.outbox_oldest_age_s for item in self.queues if item.outbox_oldest_age_s is not None]
         newest = [item.dead_letters_newest_age_s for item in self.queues if item.dead_letters_newest_age_s is not None]
         return {
             "depth": total("depth"),
             "delayed": total("delayed"),
-            "dead": total("dead"),
+            "xq": total("xq"),
             "outbox_backlog": total("outbox_backlog"),
             "outbox_failing": total("outbox_failing"),
             "outbox_oldest_age_s": max(ages) if ages else None,
@@ -163,7 +173,8 @@ class QueueDepths:
 
     Parameters:
       parameters: pika connection parameters (or a list of them), e.g. ``broker.parameters``.
-      rabbitmq_url: an AMQP URL instead of ``parameters``.
+      rabbitmq_url: an AMQP URL instead of ``parameters`` (several separated by ``;``, as
+        for the relay: the first that answers is read).
       timeout_ms: socket and connection timeout for a URL given here.
     """
 
@@ -175,11 +186,13 @@ class QueueDepths:
         check_ms("timeout_ms", timeout_ms, minimum=1, fix="e.g. timeout_ms=5000")
         timeout_s = timeout_ms / 1000
         if rabbitmq_url is not None:
-            parameters = pika.URLParameters(rabbitmq_url)
-            parameters.socket_timeout = timeout_s
-            parameters.stack_timeout = timeout_s
-            parameters.blocked_connection_timeout = timeout_s
-            parameters.connection_attempts = 1
+            parameters = [pika.URLParameters(url.strip()) for url in rabbitmq_url.split(";") if url.strip()]
+            for item in parameters:
+                item.socket_timeout = timeout_s
+                item.stack_timeout = timeout_s
+                item.blocked_connection_timeout = timeout_s
+                item.connection_attempts = 1
+            parameters = parameters[0] if len(parameters) == 1 else parameters
         self._parameters = parameters
         self._connection: Any = None
         self._channel: Any = None
@@ -226,6 +239,10 @@ class QueueDepths:
                 continue
             result[name] = (int(frame.method.message_count), int(frame.method.consumer_count))
         return result
+
+    def describe(self, error: BaseException) -> str:
+        """``cannot reach RabbitMQ at host:port: <reason>`` for an error of :meth:`read`."""
+        return rabbitmq_error(error, self._parameters)
 
     def close(self) -> None:
         """Close the connection; the next :meth:`read` reopens it."""
@@ -274,12 +291,22 @@ def collect_health(
       statement_timeout_ms: a bound on each query, so a probe never hangs on a locked table.
       connect_timeout_ms: used when ``database`` is a URL.
 
-    Raises :class:`~dramatiq_reliable.errors.SchemaNotReady` when the outbox tables are missing.
+    Raises :class:`~dramatiq_reliable.errors.SchemaNotReady` when the outbox tables are missing,
+    and :class:`~dramatiq_reliable.errors.ConfigurationError` for a name in ``queues`` that
+    cannot be a RabbitMQ queue (empty, or too long to take its ``.DQ``/``.XQ`` suffix).
     """
     if isinstance(statement_timeout_ms, bool) or not isinstance(statement_timeout_ms, int) or statement_timeout_ms < 1:
         raise ConfigurationError(f"statement_timeout_ms must be a positive int, got {statement_timeout_ms!r}")
     _sql.validate_schema(schema)
+    queues = list(queues)
+    for name in queues:
+        if not _is_queue_name(q_name(name)):
+            raise ConfigurationError(
+                f"queue name {name[:60]!r} cannot be a RabbitMQ queue: give a non-empty name of at most "
+                f"{_MAX_QUEUE_BYTES} bytes"
+            )
     rows: dict[str, dict[str, Any]] = {}
+    counted: set[str] = set()
 
     def entry(queue: str) -> dict[str, Any]:
         return rows.setdefault(q_name(queue), {})
@@ -303,27 +330,31 @@ def collect_health(
         except SchemaNotReady:
             raise
         except (psycopg.Error, PoolTimeout) as error:
-            postgres_error = _describe(error)
+            postgres_error = _postgres_problem(error)
         else:
             # What Postgres answered for is a number, zero included; "-" is for the unknown.
+            counted |= {"outbox_backlog", "outbox_failing"}
+            if dead_letters_table:
+                counted.add("dead_letters")
+            if retries_waiting:
+                counted.add("retries_waiting")
             for values in rows.values():
-                values.setdefault("outbox_backlog", 0)
-                values.setdefault("outbox_failing", 0)
-                if dead_letters_table:
-                    values.setdefault("dead_letters", 0)
-                if retries_waiting:
-                    values.setdefault("retries_waiting", 0)
+                for field in counted:
+                    values.setdefault(field, 0)
 
     rabbitmq_error: str | None = None
     if rabbitmq is not None:
         import pika.exceptions
 
-        names = sorted(rows)
+        # A name found in a table that RabbitMQ could not hold (an empty or oversized queue
+        # name in a bad row) is reported with unknown depths rather than spoiling the reading.
+        names = [name for name in sorted(rows) if _is_queue_name(name)]
         try:
             depths = rabbitmq.read(n for name in names for n in (name, dq_name(name), xq_name(name)))
         except (pika.exceptions.AMQPError, OSError) as error:
-            rabbitmq_error = _describe(error)
+            rabbitmq_error = rabbitmq.describe(error)
         else:
+            counted |= {"depth", "delayed", "xq", "consumers"}
             for name in names:
                 ready, delayed, dead = depths.get(name), depths.get(dq_name(name)), depths.get(xq_name(name))
                 values = entry(name)
@@ -331,7 +362,7 @@ def collect_health(
                 values["depth"] = ready[0] if ready else 0
                 values["consumers"] = ready[1] if ready else 0
                 values["delayed"] = delayed[0] if delayed else 0
-                values["dead"] = dead[0] if dead else 0
+                values["xq"] = dead[0] if dead else 0
 
     return Health(
         queues=tuple(QueueHealth(queue=name, **values) for name, values in sorted(rows.items())),
@@ -339,7 +370,29 @@ def collect_health(
         postgres_error=postgres_error,
         rabbitmq_error=rabbitmq_error,
         dead_letters_table=dead_letters_table,
+        counted=frozenset(counted),
     )
+
+
+# AMQP names are short strings (255 bytes at most) and the .DQ/.XQ suffixes take three.
+_MAX_QUEUE_BYTES = 252
+
+
+def _is_queue_name(name: str) -> bool:
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError:
+        return False
+    return 0 < size <= _MAX_QUEUE_BYTES
+
+
+def _postgres_problem(error: BaseException) -> str:
+    """One line saying why Postgres could not be read, with any password masked."""
+    text = redact(first_line(error))
+    sqlstate = getattr(error, "sqlstate", None)
+    if isinstance(error, PoolTimeout) or sqlstate is None or sqlstate.startswith("08"):
+        return f"cannot reach Postgres: {text}"
+    return f"Postgres refused the health queries: {text} (SQLSTATE {sqlstate})"
 
 
 @contextlib.contextmanager
@@ -487,12 +540,12 @@ class HealthMonitor:
                     statement_timeout_ms=self.statement_timeout_ms,
                 )
             except Exception as error:
-                logger.warning("could not read the health numbers for the gauges: %s", _describe(error))
+                logger.warning("could not read the health numbers for the gauges: %s", redact(_describe(error)))
                 self._reading = None
                 return None
-            for service, problem in (("Postgres", reading.postgres_error), ("RabbitMQ", reading.rabbitmq_error)):
+            for problem in (reading.postgres_error, reading.rabbitmq_error):
                 if problem:
-                    logger.warning("health gauges: cannot read %s: %s", service, problem)
+                    logger.warning("health gauges: %s", problem)
             self._reading = reading
             return reading
 
@@ -515,7 +568,7 @@ class Thresholds:
     max_outbox_backlog: int | None = None
     max_dead_letters: int | None = None
     max_queue_depth: int | None = None
-    max_dead_queue: int | None = None
+    max_xq: int | None = None
 
     def any(self) -> bool:
         return any(value is not None for value in dataclasses.astuple(self))
@@ -531,14 +584,20 @@ def check_health(health: Health, thresholds: Thresholds) -> list[str]:
                 f"queue {item.queue!r}: oldest unpublished outbox row is {format_age(age)} old, over "
                 f"--max-outbox-age {format_age(thresholds.max_outbox_age_ms / 1000)} (is a relay running?)"
             )
-        for value, limit, what, option in (
-            (item.outbox_backlog, thresholds.max_outbox_backlog, "unpublished outbox rows", "--max-outbox-backlog"),
-            (item.dead_letters, thresholds.max_dead_letters, "dead letters", "--max-dead-letters"),
-            (item.depth, thresholds.max_queue_depth, "messages waiting", "--max-queue-depth"),
-            (item.dead, thresholds.max_dead_queue, "messages in its .XQ", "--max-dead-queue"),
+        for value, limit, one, many, option in (
+            (
+                item.outbox_backlog,
+                thresholds.max_outbox_backlog,
+                "unpublished outbox row",
+                "unpublished outbox rows",
+                "--max-outbox-backlog",
+            ),
+            (item.dead_letters, thresholds.max_dead_letters, "dead letter", "dead letters", "--max-dead-letters"),
+            (item.depth, thresholds.max_queue_depth, "message waiting", "messages waiting", "--max-queue-depth"),
+            (item.xq, thresholds.max_xq, "message in its .XQ", "messages in its .XQ", "--max-xq"),
         ):
             if limit is not None and value is not None and value > limit:
-                problems.append(f"queue {item.queue!r}: {value} {what}, over {option} {limit}")
+                problems.append(f"queue {item.queue!r}: {value} {one if value == 1 else many}, over {option} {limit}")
     if thresholds.max_dead_letters is not None and health.dead_letters_table is False:
         problems.append(
             "the dead-letter table does not exist, so --max-dead-letters cannot be checked; "

@@ -1,203 +1,225 @@
 """The ``dramatiq-reliable`` command: schema, relay, outbox, idempotency keys, dead letters, status.
 
 The only place that reads the environment: ``DATABASE_URL`` and ``RABBITMQ_URL`` give the
-defaults of ``--database-url`` and ``--rabbitmq-url``.  Errors print one line (the traceback
-only with ``-v``) and exit with a named code.
+defaults of ``--database-url`` and ``--rabbitmq-url``.  Command output goes to stdout; errors,
+progress and logs (WARNING and up, INFO for the relay, DEBUG with ``-v``) go to stderr.  An
+error is one line (the traceback only with ``-v``) and exits with a named :class:`ExitCode`.
+
+The package is laid out one way round: :mod:`.common` (exit codes, the parser class, argument
+types, connection options) and :mod:`.output` (tables, ages, JSON) at the bottom, one module per
+command group above them, and this module, which assembles the parser and runs ``main``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import logging
-import signal
+import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+import traceback
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import psycopg
 
-from .. import _sql, schema
-from ..database import Database
-from ..errors import ReliableError
-from .common import ExitCode, common_parents, duration_ms
+from .._util import first_line, rabbitmq_reason, redact
+from ..errors import BrokerUnavailable, ConfigurationError, DatabaseUnavailable, ReliableError, SchemaNotReady
+from . import dead_letters, idempotency, migrate, outbox, relay, status
+from .common import EXIT_CODE_HELP, PROG, ExitCode, Parser, UsageError, common_parents, duration_ms, print_error
 
-__all__ = ["ExitCode", "common_parents", "duration_ms", "main"]
+__all__ = ["ExitCode", "build_parser", "common_parents", "duration_ms", "main"]
 
 logger = logging.getLogger("dramatiq_reliable.cli")
 
+_DESCRIPTION = """\
+Outbox, idempotency, retries and dead letters for Dramatiq on Postgres: create the tables,
+run the relay, see and replay dead letters, and check the health of every queue.
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dramatiq-reliable", description="Outbox, retries and dead letters for Dramatiq on Postgres."
-    )
+Run 'dramatiq-reliable COMMAND --help' for a command's options."""
+
+
+def _epilog() -> str:
+    codes = "\n".join(f"  {int(code)}  {text}" for code, text in EXIT_CODE_HELP.items())
+    return f"""\
+environment:
+  DATABASE_URL  default of --database-url (postgresql://USER:PASSWORD@HOST:5432/DBNAME)
+  RABBITMQ_URL  default of --rabbitmq-url (amqp://USER:PASSWORD@HOST:5672/%2F)
+  Passwords are never printed: help, errors and logs mask them.
+
+exit codes:
+{codes}"""
+
+
+def build_parser() -> Parser:
+    """The whole command line: every command and option (the docs' CLI reference reads it too)."""
+    from .. import __version__
+
+    parser = Parser(prog=PROG, description=_DESCRIPTION, epilog=_epilog())
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     common, rabbit = common_parents()
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    migrate = commands.add_parser("migrate", parents=[common], help="create or upgrade the tables")
-    migrate.add_argument("--sql", action="store_true", help="print the SQL instead of running it")
-    migrate.add_argument("--since", type=int, default=0, help="with --sql: only migrations after this version")
-    migrate.set_defaults(handler=_migrate)
-
-    relay = commands.add_parser("relay", parents=[common, rabbit], help="forward outbox rows to RabbitMQ")
-    relay.add_argument("--batch-size", type=int, default=500)
-    relay.add_argument("--poll-interval", type=duration_ms, default=1000, help="fallback poll (default 1s)")
-    relay.add_argument("--on-published", choices=["mark", "delete"], default="mark")
-    relay.add_argument("--retention", type=duration_ms, default=86_400_000, help="keep published rows (default 1d)")
-    relay.add_argument("--max-priority", type=int, default=None)
-    relay.add_argument("--once", action="store_true", help="drain the backlog once and exit")
-    relay.set_defaults(handler=_relay)
-
-    outbox = commands.add_parser("outbox", help="inspect and maintain the outbox")
-    outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
-    purge = outbox_commands.add_parser("purge", parents=[common], help="delete published rows past retention")
-    purge.add_argument("--older-than", type=duration_ms, default=86_400_000, help="default 1d")
-    purge.add_argument("--json", action="store_true")
-    purge.set_defaults(handler=_outbox_purge)
-    stats = outbox_commands.add_parser("stats", parents=[common], help="backlog, failing rows, oldest age")
-    stats.add_argument("--json", action="store_true")
-    stats.set_defaults(handler=_outbox_stats)
-
-    idempotency = commands.add_parser("idempotency", help="maintain processed-job keys")
-    idempotency_commands = idempotency.add_subparsers(dest="idempotency_command", required=True, metavar="ACTION")
-    keys_purge = idempotency_commands.add_parser("purge", parents=[common], help="delete expired idempotency keys")
-    keys_purge.add_argument("--batch-size", type=int, default=5000)
-    keys_purge.add_argument("--json", action="store_true")
-    keys_purge.set_defaults(handler=_idempotency_purge)
-
-    from . import dead_letters, status
-
+    # -v after the command too ('dramatiq-reliable status -v'); SUPPRESS keeps the sub-parser
+    # from resetting a -v given before the command.
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    # Sub-parsers are Parsers too (one-line errors); the registrars take any ArgumentParser's.
+    commands = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]",
+        parser.add_subparsers(dest="command", required=True, metavar="COMMAND"),
+    )
+    migrate.register(commands, [common])
+    relay.register(commands, [common, rabbit])
+    outbox.register(commands, [common])
+    idempotency.register(commands, [common])
     dead_letters.register(commands, [common])
     status.register(commands, [common, rabbit])
     return parser
 
 
-Handler = Callable[[argparse.Namespace], int]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    if not args.verbose:
-        logging.getLogger("pika").setLevel(logging.CRITICAL)
-    handler: Handler = args.handler
+    """Run the command ``argv`` (default ``sys.argv[1:]``) and return its exit code."""
+    parser = build_parser()
     try:
-        return handler(args)
-    except ReliableError as error:
-        _fail(args, error)
-        from ..errors import SchemaNotReady
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, --version, or a usage error already printed
+        return exit_.code if isinstance(exit_.code, int) else ExitCode.USAGE
+    with _logging(verbose=args.verbose, level=getattr(args, "log_level", logging.WARNING)):
+        return _run(parser, args)
 
-        return ExitCode.SCHEMA if isinstance(error, SchemaNotReady) else ExitCode.ERROR
-    except (psycopg.OperationalError, psycopg.InterfaceError) as error:
-        _fail(args, error, prefix="cannot reach Postgres: ")
-        return ExitCode.UNAVAILABLE
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        _check_text(parser, args)
+        return int(args.handler(args))
+    except UsageError as error:
+        return _fail(args, error, ExitCode.USAGE)
+    except ConfigurationError as error:
+        # The library refused a value: on the command line, every value is an argument.
+        return _fail(args, error, ExitCode.USAGE)
+    except SchemaNotReady as error:
+        return _fail(args, error, ExitCode.SCHEMA)
+    except (BrokerUnavailable, DatabaseUnavailable) as error:
+        return _fail(args, error, ExitCode.UNAVAILABLE)
+    except ReliableError as error:
+        return _fail(args, error, ExitCode.ERROR)
+    except psycopg.Error as error:
+        return _fail(args, error, *_postgres_problem(error))
+    except Exception as error:
+        import pika.exceptions
+
+        if isinstance(error, pika.exceptions.AMQPError):
+            return _fail(args, error, ExitCode.UNAVAILABLE, f"cannot reach RabbitMQ: {rabbitmq_reason(error)}")
+        if isinstance(error, BrokenPipeError):
+            # The reader went away ('| head'): stop quietly, as other command-line tools do.
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return ExitCode.ERROR
+        return _fail(
+            args, error, ExitCode.ERROR, f"unexpected {type(error).__name__}: {first_line(error)} (-v shows where)"
+        )
     except KeyboardInterrupt:
+        print_error("interrupted")
         return ExitCode.ABORTED
 
 
-def _fail(args: argparse.Namespace, error: BaseException, prefix: str = "") -> None:
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    print(f"dramatiq-reliable: error: {prefix}{first}", file=sys.stderr)
-    if args.verbose:
-        import traceback
+def _postgres_problem(error: psycopg.Error) -> tuple[ExitCode, str]:
+    """The exit code and message of a Postgres error: unreachable (3), or refused (1)."""
+    from psycopg_pool import PoolTimeout
 
-        traceback.print_exception(error)
-
-
-def _database(args: argparse.Namespace) -> Database:
-    return Database(url=args.database_url)
+    text = first_line(error)
+    sqlstate = error.sqlstate
+    if isinstance(error, (PoolTimeout, psycopg.InterfaceError)) or sqlstate is None or sqlstate[:2] in ("08", "57"):
+        return ExitCode.UNAVAILABLE, f"cannot reach Postgres: {text}"
+    return ExitCode.ERROR, f"Postgres refused the command: {text} (SQLSTATE {sqlstate})"
 
 
-def _migrate(args: argparse.Namespace) -> int:
-    _sql.validate_schema(args.schema)
-    if args.sql:
-        sys.stdout.write(schema.migration_sql(schema=args.schema, since=args.since))
-        return ExitCode.OK
-    applied = schema.migrate(args.database_url, schema=args.schema)
-    if applied:
-        print(f"schema {args.schema!r}: applied migrations {', '.join(str(v) for v in applied)}")
-    else:
-        print(f"schema {args.schema!r} is up to date (version {schema.LATEST_VERSION})")
-    return ExitCode.OK
+def _fail(args: argparse.Namespace, error: BaseException, code: ExitCode, message: str | None = None) -> int:
+    print_error(message or first_line(error))
+    if getattr(args, "verbose", False):
+        print(redact("".join(traceback.format_exception(error))), end="", file=sys.stderr)
+    return int(code)
 
 
-def _relay(args: argparse.Namespace) -> int:
-    from ..errors import BrokerUnavailable
-    from ..outbox.relay import Relay
+def _check_text(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse text Postgres cannot store: a NUL, or bytes that are not UTF-8.
 
-    relay = Relay(
-        rabbitmq_url=args.rabbitmq_url,
-        database=_database(args),
-        schema=args.schema,
-        batch_size=args.batch_size,
-        poll_interval_ms=args.poll_interval,
-        on_published=args.on_published,
-        retention_ms=args.retention,
-        max_priority=args.max_priority,
-    )
-    if args.once:
-        try:
-            published = relay.drain()
-        except BrokerUnavailable as error:
-            _fail(args, error, prefix="cannot reach RabbitMQ: ")
-            return ExitCode.UNAVAILABLE
-        finally:
-            relay.publisher.close()
-        print(f"published {published} rows")
-        return ExitCode.OK
-
-    def stop(signum: int, _frame: Any) -> None:
-        logger.info("received %s: finishing the batch in hand", signal.Signals(signum).name)
-        relay.stop()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    relay.run()
-    return ExitCode.OK
+    Python hands undecodable argv bytes over as lone surrogates ('surrogateescape'); they would
+    fail deep in the driver.  Checked here once for every option, present and future.
+    """
+    options = _option_names(parser)
+    for dest, value in vars(args).items():
+        for text in value if isinstance(value, list) else [value]:
+            if not isinstance(text, str):
+                continue
+            option = options.get(dest, dest)
+            if "\x00" in text:
+                raise UsageError(f"{option} contains a NUL character, which Postgres cannot store")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raw = text.encode("utf-8", "surrogateescape")[:40]
+                raise UsageError(f"{option} is not valid UTF-8 ({raw!r}); check the terminal's encoding") from None
 
 
-def _outbox_purge(args: argparse.Namespace) -> int:
-    from ..outbox.relay import purge_published
+def _option_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+    names: dict[str, str] = {}
+    stack: list[argparse.ArgumentParser] = [parser]
+    while stack:
+        current = stack.pop()
+        for action in current._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack.extend(action.choices.values())
+            elif action.dest not in names:
+                long = [option for option in action.option_strings if option.startswith("--")]
+                metavar = action.metavar if isinstance(action.metavar, str) else action.dest
+                names[action.dest] = (long or action.option_strings or [metavar])[0]
+    return names
 
-    database = _database(args)
+
+class _RedactingFormatter(logging.Formatter):
+    """Log lines with every connection-string password masked, whoever logged them.
+
+    The message and the traceback are redacted, not the whole line: the timestamp's colons
+    must not read as a user and password.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        copy = logging.makeLogRecord(record.__dict__)
+        copy.msg, copy.args = redact(record.getMessage()), None
+        return super().format(copy)
+
+    def formatException(self, ei: Any) -> str:
+        return redact(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return redact(super().formatStack(stack_info))
+
+
+@contextlib.contextmanager
+def _logging(*, verbose: bool, level: int) -> Iterator[None]:
+    """Logs on stderr for the length of one command; the previous setup is restored after.
+
+    Ours at ``level`` (WARNING for commands, INFO for the relay, DEBUG with -v); other
+    libraries at WARNING, pika silent and psycopg_pool's per-attempt warnings hidden unless
+    -v (our own messages already say when a service is down, once).
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    levels: dict[str, int] = {
+        "": logging.INFO if verbose else logging.WARNING,
+        "dramatiq_reliable": logging.DEBUG if verbose else level,
+        "pika": logging.WARNING if verbose else logging.CRITICAL,
+        "psycopg.pool": logging.DEBUG if verbose else logging.ERROR,
+    }
+    loggers = {name: logging.getLogger(name) for name in levels}
+    saved: dict[str, Any] = {name: item.level for name, item in loggers.items()}
+    for name, item in loggers.items():
+        item.setLevel(levels[name])
+    root = loggers[""]
+    root.addHandler(handler)
     try:
-        deleted = purge_published(database, schema=args.schema, older_than_ms=args.older_than)
+        yield
     finally:
-        database.close()
-    print(json.dumps({"deleted": deleted}) if args.json else f"deleted {deleted} published rows")
-    return ExitCode.OK
-
-
-def _idempotency_purge(args: argparse.Namespace) -> int:
-    from ..idempotency import purge_expired
-
-    database = _database(args)
-    try:
-        deleted = purge_expired(database, schema=args.schema, batch_size=args.batch_size)
-    finally:
-        database.close()
-    print(json.dumps({"deleted": deleted}) if args.json else f"deleted {deleted} expired idempotency keys")
-    return ExitCode.OK
-
-
-def _outbox_stats(args: argparse.Namespace) -> int:
-    database = _database(args)
-    try:
-        with database.connection() as conn:
-            schema.ensure_ready(conn, schema=args.schema, required=schema.OUTBOX_VERSION, feature="outbox")
-            row = _sql.tuples(conn).execute(_sql.query("outbox_stats", args.schema)).fetchone()
-    finally:
-        database.close()
-    assert row is not None
-    stats = {"backlog": row[0], "failing": row[1], "oldest_age_s": round(row[2], 3)}
-    if args.json:
-        print(json.dumps(stats))
-    else:
-        for key, value in stats.items():
-            print(f"{key:<14}{value}")
-    return ExitCode.OK
+        root.removeHandler(handler)
+        for name, item in loggers.items():
+            item.setLevel(saved[name])

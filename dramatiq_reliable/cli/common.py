@@ -1,36 +1,143 @@
-"""What every command shares: exit codes, the duration parser and the common options."""
+"""What every command shares: exit codes, the parser class, argument types, connection options.
+
+Kept apart from ``cli/__init__.py`` (which builds the parser and runs ``main``) so each command
+module imports from here and ``__init__`` imports the command modules: the dependencies of the
+package run one way, with no import cycle.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import decimal
 import enum
 import os
 import re
+import sys
+from collections.abc import Iterator
+from typing import Any, NoReturn
+
+import psycopg
 
 from .. import _sql
+from .._util import first_line, redact
+from ..database import Database
 
-__all__ = ["DEFAULT_DATABASE_URL", "DEFAULT_RABBITMQ_URL", "DURATION", "ExitCode", "common_parents", "duration_ms"]
+__all__ = [
+    "BIGINT_MAX",
+    "DEFAULT_DATABASE_URL",
+    "DEFAULT_RABBITMQ_URL",
+    "DURATION",
+    "MAX_DURATION_MS",
+    "Duration",
+    "ExitCode",
+    "Integer",
+    "Parser",
+    "UsageError",
+    "common_parents",
+    "connect",
+    "database_url",
+    "duration_ms",
+    "open_database",
+    "print_error",
+    "queue_name",
+    "rabbitmq_parameters",
+    "rabbitmq_url",
+    "schema_name",
+]
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+#: How long a command waits for Postgres to accept a connection before it says it cannot.
+CONNECT_TIMEOUT_S = 5
+PROG = "dramatiq-reliable"
 
 
 class ExitCode(enum.IntEnum):
     """Exit codes of the command, stable for scripts."""
 
     OK = 0
-    ERROR = 1
-    USAGE = 2
+    ERROR = 1  # anything else; -v shows the traceback
+    USAGE = 2  # a wrong argument, option or URL
     UNAVAILABLE = 3  # Postgres or RabbitMQ cannot be reached
     SCHEMA = 4  # tables missing or behind: run migrate
     CHECK_FAILED = 5  # a health check crossed a threshold
-    ABORTED = 6  # the user declined a confirmation
+    ABORTED = 6  # the user declined a confirmation, or pressed Ctrl-C
     NOT_FOUND = 7  # an id asked for does not exist
     REFUSED = 8  # some rows were left alone (too old, already handled); the rest were handled
 
 
+#: One line per exit code, for the top-level help and the README.
+EXIT_CODE_HELP = {
+    ExitCode.OK: "success",
+    ExitCode.ERROR: "an unexpected error (-v shows the traceback)",
+    ExitCode.USAGE: "a wrong argument, option, URL or environment variable",
+    ExitCode.UNAVAILABLE: "Postgres or RabbitMQ cannot be reached",
+    ExitCode.SCHEMA: "the tables are missing or behind: run 'dramatiq-reliable migrate'",
+    ExitCode.CHECK_FAILED: "status --check: a threshold was crossed",
+    ExitCode.ABORTED: "a confirmation was declined, or Ctrl-C",
+    ExitCode.NOT_FOUND: "an id asked for does not exist",
+    ExitCode.REFUSED: "some rows were left alone (too old, already handled); the others were handled",
+}
+
+
+class UsageError(Exception):
+    """An argument found wrong after parsing (a malformed URL, say): exit 2, like argparse's own."""
+
+
+def print_error(message: str, *, prog: str = PROG) -> None:
+    """The one error printer: ``prog: error: message`` on stderr, one line, passwords masked."""
+    line = " ".join(redact(str(message)).split()) or "unknown error"
+    print(f"{prog}: error: {line}", file=sys.stderr)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written, and ``(default: X)`` after every option that has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        shown = default not in (None, False, argparse.SUPPRESS) and default != []
+        if shown and "default" not in text and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+class _Commands(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """Sub-commands whose ``--help`` opens with their one-line summary when they have no description."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> Any:
+        summary = kwargs.get("help")
+        if not kwargs.get("description") and summary:
+            kwargs["description"] = summary[:1].upper() + summary[1:] + "."
+        return super().add_parser(name, **kwargs)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (the usage is one ``--help`` away).
+
+    Sub-parsers are made of the same class, so every command behaves the same.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Commands)
+
+    def error(self, message: str) -> NoReturn:
+        print_error(f"{message}; see '{self.prog} --help'", prog=self.prog)
+        self.exit(ExitCode.USAGE)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument types
+# --------------------------------------------------------------------------------------------
+
+BIGINT_MAX = 2**63 - 1
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 7 * 86_400_000}
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?$")
+#: The longest duration an option takes: 100 years, far below what Postgres and datetime hold.
+MAX_DURATION_MS = 36_500 * 86_400_000
 
 
 def duration_ms(text: str) -> int:
@@ -38,22 +145,282 @@ def duration_ms(text: str) -> int:
     match = DURATION.match(text.strip().lower())
     if not match:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration; write e.g. 30s, 15m, 7d")
-    return int(float(match[1]) * _UNITS_MS[match[2] or "s"])
+    # Decimal, not float: a 400-digit number is an error to report, not an infinity to crash on.
+    value = decimal.Decimal(match[1]) * _UNITS_MS[match[2] or "s"]
+    if value > MAX_DURATION_MS:
+        raise argparse.ArgumentTypeError(f"{text!r} is too long; the longest duration is 36500d (100 years)")
+    return int(value)
+
+
+class Duration:
+    """An argparse type: a duration of at least ``minimum_ms``, as an int of milliseconds."""
+
+    __name__ = "duration"
+
+    def __init__(self, *, minimum_ms: int = 0) -> None:
+        self.minimum_ms = minimum_ms
+
+    def __call__(self, text: str) -> int:
+        value = duration_ms(text)
+        if value < self.minimum_ms:
+            raise argparse.ArgumentTypeError(f"{text!r} is too short; the shortest is {self.minimum_ms}ms")
+        return value
+
+
+class Integer:
+    """An argparse type: a whole number from ``minimum`` to ``maximum`` (a Postgres bigint)."""
+
+    __name__ = "integer"
+
+    def __init__(self, *, minimum: int = 0, maximum: int = BIGINT_MAX) -> None:
+        self.minimum = minimum
+        self.maximum = maximum
+
+    def __call__(self, text: str) -> int:
+        stripped = text.strip()
+        try:
+            # Twenty digits bound the work int() does on a hostile string.
+            value = int(stripped) if len(stripped) <= 20 else None
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value is None or not self.minimum <= value <= self.maximum:
+            upper = "" if self.maximum == BIGINT_MAX else f" to {self.maximum}"
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is out of range; give a whole number from {self.minimum}{upper}"
+            )
+        return value
+
+
+def schema_name(text: str) -> str:
+    """An argparse type: a schema name Postgres can create (``pg_`` names are the server's)."""
+    from ..errors import ConfigurationError
+
+    try:
+        _sql.validate_schema(text)
+    except ConfigurationError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if text.startswith("pg_"):
+        raise argparse.ArgumentTypeError(f"schema {text!r} starts with 'pg_', which Postgres reserves; choose another")
+    return text
+
+
+_QUEUE_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9._-]*")
+# AMQP queue names are at most 255 bytes, and the .DQ and .XQ queues add three.
+_MAX_QUEUE_NAME = 252
+
+
+def queue_name(text: str) -> str:
+    """An argparse type: a Dramatiq queue name (so also a valid RabbitMQ one, with its .DQ/.XQ)."""
+    if not _QUEUE_NAME.fullmatch(text) or len(text) > _MAX_QUEUE_NAME:
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        raise argparse.ArgumentTypeError(
+            f"{shown!r} is not a queue name; Dramatiq queue names are letters, digits, '.', '_' and '-', "
+            f"starting with a letter or '_', at most {_MAX_QUEUE_NAME} characters"
+        )
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# Connection options
+# --------------------------------------------------------------------------------------------
+
+_ENV = {"database_url": "DATABASE_URL", "rabbitmq_url": "RABBITMQ_URL"}
+_DEFAULTS = {"database_url": DEFAULT_DATABASE_URL, "rabbitmq_url": DEFAULT_RABBITMQ_URL}
 
 
 def common_parents() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The shared option parsers: (``--database-url`` and ``--schema``, ``--rabbitmq-url``)."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--database-url",
-        default=os.environ.get("DATABASE_URL", DEFAULT_DATABASE_URL),
-        help="Postgres URL (default: $DATABASE_URL or the local server)",
-    )
-    common.add_argument("--schema", default=_sql.DEFAULT_SCHEMA, help="schema of the tables (default: %(default)s)")
-    rabbit = argparse.ArgumentParser(add_help=False)
+    """The shared option parsers: (``--database-url`` and ``--schema``, ``--rabbitmq-url``).
+
+    The URLs default to ``None`` and are resolved (option, then environment, then the local
+    server) and checked by :func:`database_url` / :func:`rabbitmq_url` when a command uses
+    them, so a malformed ``$RABBITMQ_URL`` never stops a command that does not need RabbitMQ.
+    """
+    common = Parser(add_help=False)
+    common.add_argument("--database-url", metavar="URL", help=_url_help("database_url", "Postgres URL"))
+    common.add_argument("--schema", type=schema_name, default=_sql.DEFAULT_SCHEMA, help="Postgres schema of the tables")
+    rabbit = Parser(add_help=False)
     rabbit.add_argument(
         "--rabbitmq-url",
-        default=os.environ.get("RABBITMQ_URL", DEFAULT_RABBITMQ_URL),
-        help="RabbitMQ URL (default: $RABBITMQ_URL or the local server)",
+        metavar="URL",
+        help=_url_help("rabbitmq_url", "RabbitMQ URL (several separated by ';' for a cluster)"),
     )
     return common, rabbit
+
+
+def _url_help(dest: str, what: str) -> str:
+    variable = _ENV[dest]
+    current = os.environ.get(variable)
+    if current:
+        shown = f"${variable}, now {_safe_url(current)}"
+    else:
+        shown = f"${variable} if set, else {_safe_url(_DEFAULTS[dest])}"
+    # argparse %-formats help texts: a URL's %2F must reach it as %%2F.
+    return f"{what} (default: {shown})".replace("%", "%%")
+
+
+def _resolve(args: argparse.Namespace, dest: str) -> tuple[str, str]:
+    """The URL a command uses and where it came from (for messages)."""
+    given = getattr(args, dest, None)
+    option = "--" + dest.replace("_", "-")
+    if given is not None:
+        return given, option
+    variable = _ENV[dest]
+    from_env = os.environ.get(variable)
+    if from_env:
+        return from_env, f"${variable}"
+    return _DEFAULTS[dest], option
+
+
+def database_url(args: argparse.Namespace) -> str:
+    """The Postgres URL of the command, checked; a malformed one raises :class:`UsageError`."""
+    url, source = _resolve(args, "database_url")
+    problem = _postgres_url_problem(url)
+    if problem:
+        raise UsageError(f"{source} is not a valid Postgres URL ({problem}); {_PG_EXAMPLE}")
+    return url
+
+
+def rabbitmq_url(args: argparse.Namespace) -> str:
+    """The RabbitMQ URL of the command, checked; a malformed one raises :class:`UsageError`."""
+    url, source = _resolve(args, "rabbitmq_url")
+    problem = _rabbitmq_url_problem(url)
+    if problem:
+        raise UsageError(f"{source} is not a valid RabbitMQ URL ({problem}); {_AMQP_EXAMPLE}")
+    return url
+
+
+def rabbitmq_parameters(args: argparse.Namespace) -> Any:
+    """pika connection parameters of the command's URL (a list for several URLs)."""
+    import pika
+
+    parameters = [pika.URLParameters(part.strip()) for part in rabbitmq_url(args).split(";") if part.strip()]
+    return parameters[0] if len(parameters) == 1 else parameters
+
+
+# No "word: ... @" before the example: redact() would take it for a user and password.
+_PG_EXAMPLE = "write it like postgresql://app@db.example:5432/app, percent-encoding special characters"
+
+
+def _postgres_url_problem(url: str) -> str | None:
+    from psycopg.conninfo import conninfo_to_dict
+
+    if not url.strip():
+        return "it is empty"
+    scheme = url.split("://", 1)[0] if "://" in url else None
+    if scheme is None and "=" not in url:
+        return "it has no postgresql:// scheme"
+    if scheme is not None and scheme not in ("postgresql", "postgres"):
+        return f"its scheme is {_safe_fragment(scheme, url)!r}, not postgresql://"
+    try:
+        options = conninfo_to_dict(url)
+    except psycopg.Error as error:
+        return _mask_fragments(first_line(error), url)
+    # libpq checks these only when it connects, where a typo would read as "unreachable".
+    for port in str(options.get("port") or "").split(","):
+        if port and (not port.isdigit() or not 0 < int(port) < 65536):
+            return f"port {_safe_fragment(port, url)!r} is not a number from 1 to 65535"
+    timeout = str(options.get("connect_timeout") or "")
+    if timeout and not timeout.lstrip("-").isdigit():
+        return f"connect_timeout {_safe_fragment(timeout, url)!r} is not a whole number of seconds"
+    return None
+
+
+_AMQP_EXAMPLE = "write it like amqp://app@rabbitmq.example:5672/%2F, percent-encoding special characters"
+
+
+def _rabbitmq_url_problem(urls: str) -> str | None:
+    import pika
+
+    parts = [part.strip() for part in urls.split(";")]
+    if not any(parts):
+        return "it is empty"
+    for url in parts:
+        if not url:
+            return "it has an empty URL between two ';'"
+        scheme = url.split("://", 1)[0] if "://" in url else None
+        if scheme not in ("amqp", "amqps"):
+            what = "no amqp:// scheme" if scheme is None else f"scheme {_safe_fragment(scheme, url)!r}"
+            return f"it has {what}"
+        try:
+            pika.URLParameters(url)
+        except Exception as error:  # pika raises ValueError, IndexError, TypeError... on bad input
+            return _mask_fragments(first_line(error), url)
+    return None
+
+
+def _secret_free(url: str) -> str:
+    """``url`` with its user-info and every ``password=`` value cut out: what may be shown."""
+    # Up to the last @ of the string, not of the authority: a malformed password may hold a
+    # "/" or a "?", and a URL with no scheme at all is still one a user meant to write.
+    scheme, separator, rest = url.partition("://") if "://" in url else ("", "", url)
+    if "@" in rest:
+        url = f"{scheme}{separator}***@{rest.rsplit('@', 1)[1]}"
+    return _KV_PASSWORD.sub(r"\1***", url)
+
+
+# A key=value password runs to the next "key=" (an unquoted space in it is the mistake).
+_KV_PASSWORD = re.compile(r"(password\s*=\s*)('[^']*'?|.*?)(?=\s+\w+\s*=|$)", re.IGNORECASE)
+
+
+def _safe_url(url: str) -> str:
+    """A URL fit for help texts: the password masked, even in a string too malformed to parse."""
+    url = _KV_PASSWORD.sub(r"\1***", url)
+    masked = redact(url)
+    if masked != url:
+        return masked
+    user_info = url.split("://", 1)[-1].rsplit("@", 1)[0] if "@" in url else ""
+    # redact() saw no password, yet there may be one: then show nothing of the user-info.
+    return _secret_free(url) if ":" in user_info else url
+
+
+def _safe_fragment(fragment: str, url: str) -> str:
+    return fragment if fragment in _secret_free(url) else "***"
+
+
+def _mask_fragments(message: str, url: str) -> str:
+    """The driver's message with every quoted piece of ``url`` that could be a secret masked.
+
+    psycopg and pika quote the part of the string they choke on, which may be the password
+    itself ('unexpected spaces found in "pa ss"'): a piece is kept only if it can be seen in the
+    URL with its user-info and passwords cut out.
+    """
+    safe = _secret_free(url)
+
+    def mask(match: re.Match[str]) -> str:
+        quote, inner = match[1], match[2]
+        return match[0] if inner in safe or len(inner) <= 1 else f"{quote}***{quote}"
+
+    return redact(re.sub(r"([\"'])(.*?)\1", mask, message))
+
+
+def _connect_options(url: str) -> dict[str, Any]:
+    """A short connect timeout, unless the URL or ``$PGCONNECT_TIMEOUT`` sets one."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    if "connect_timeout" in conninfo_to_dict(url) or os.environ.get("PGCONNECT_TIMEOUT"):
+        return {}
+    return {"connect_timeout": CONNECT_TIMEOUT_S}
+
+
+@contextlib.contextmanager
+def connect(args: argparse.Namespace, **kwargs: Any) -> Iterator[psycopg.Connection[Any]]:
+    """One direct connection to the command's database, failing fast.
+
+    A direct connect reports a wrong host or password at once with the server's own reason,
+    where a pool would retry in the background for its whole timeout and say only that.
+    """
+    url = database_url(args)
+    with psycopg.connect(url, **{**_connect_options(url), **kwargs}) as conn:
+        yield conn
+
+
+@contextlib.contextmanager
+def open_database(args: argparse.Namespace, *, max_size: int = 2) -> Iterator[Database]:
+    """A :class:`Database` for a command that calls the library, opened after one quick connect."""
+    url = database_url(args)
+    psycopg.connect(url, **_connect_options(url)).close()
+    database = Database(url=url, max_size=max_size, timeout_ms=30_000)
+    try:
+        yield database
+    finally:
+        database.close()

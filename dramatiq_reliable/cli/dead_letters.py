@@ -17,8 +17,8 @@ id) asks for confirmation; ``--yes`` skips it, and without a terminal and withou
 refused.  Exit codes are :class:`~dramatiq_reliable.cli.ExitCode` values plus ``NOT_FOUND`` and
 ``REFUSED`` (see :data:`NOT_FOUND`, :data:`REFUSED`).
 
-``cli.py`` adds this command with :func:`register`; ``python -m dramatiq_reliable.dead_letters_cli``
-runs it on its own with the same ``--database-url``, ``--schema`` and ``-v`` options.
+``cli/__init__.py`` adds this command with :func:`register`; tables, ages and ``--json`` are
+:mod:`.output`'s, errors go through :func:`~.common.print_error`.
 """
 
 from __future__ import annotations
@@ -28,14 +28,11 @@ import contextlib
 import datetime
 import json
 import logging
-import shutil
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
-import psycopg
-
-from ..database import Database
 from ..dead_letters import (
     DEFAULT_REPLAY_MAX_AGE_MS,
     DEFAULT_RETENTION_MS,
@@ -43,7 +40,18 @@ from ..dead_letters import (
     DeadLetterFilter,
     DeadLetterStore,
 )
-from .common import DURATION, ExitCode, duration_ms
+from . import output
+from .common import (
+    BIGINT_MAX,
+    DURATION,
+    Duration,
+    ExitCode,
+    Integer,
+    duration_ms,
+    open_database,
+    print_error,
+    queue_name,
+)
 
 __all__ = ["NOT_FOUND", "REFUSED", "register"]
 
@@ -75,14 +83,19 @@ def point_in_time(text: str, *, now: datetime.datetime | None = None) -> datetim
     return value if value.tzinfo is not None else value.replace(tzinfo=datetime.timezone.utc)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
+_positive_int = Integer(minimum=1)
+_CURSOR = re.compile(r"-?\d{1,19}\.\d{1,19}")
+# A cursor's first part is microseconds since 1970; datetime ends in year 9999.
+_MAX_CURSOR_US = 253_402_300_799 * 1_000_000
+
+
+def _cursor(text: str) -> str:
+    """A cursor as a listing printed it (checked here, so a mangled one is a usage error)."""
+    if _CURSOR.fullmatch(text):
+        micros, dead_letter_id = (int(part) for part in text.split("."))
+        if abs(micros) <= _MAX_CURSOR_US and dead_letter_id <= BIGINT_MAX:
+            return text
+    raise argparse.ArgumentTypeError(f"{text[:60]!r} is not a cursor a listing printed; pass it unchanged")
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,7 +124,7 @@ def register(
     filters = argparse.ArgumentParser(add_help=False)
     group = filters.add_argument_group("filters")
     group.add_argument("--actor", dest="actor_name", help="actor name")
-    group.add_argument("--queue", dest="queue_name", help="queue name (without .DQ/.XQ)")
+    group.add_argument("--queue", dest="queue_name", type=queue_name, help="queue name (without .DQ/.XQ)")
     group.add_argument("--error-type", help="exception type as shown by list, e.g. ValueError or app.errors.Declined")
     group.add_argument("--fingerprint", help="group fingerprint, as shown by stats")
     group.add_argument("--since", type=point_in_time, help="last failure at or after: ISO time, or 2h for 2h ago")
@@ -126,7 +139,7 @@ def register(
     list_ = actions.add_parser("list", parents=[*parents, filters, output], help="list dead letters, newest first")
     list_.add_argument("--state", choices=_STATE_CHOICES, default="dead", help="default: dead")
     list_.add_argument("--limit", type=_positive_int, default=50, help="rows per page (default 50)")
-    list_.add_argument("--cursor", help="the next page: the cursor a previous page printed")
+    list_.add_argument("--cursor", type=_cursor, help="the next page: the cursor a previous page printed")
     list_.set_defaults(handler=_list)
 
     show = actions.add_parser("show", parents=[*parents, output], help="one dead letter with its traceback")
@@ -142,11 +155,11 @@ def register(
     replay = actions.add_parser(
         "replay", parents=[*parents, filters, output, bulk], help="send dead letters again, through the outbox"
     )
-    replay.add_argument("--to-queue", help="send to this queue instead of the original one")
-    replay.add_argument("--delay", type=duration_ms, help="deliver after this long, e.g. 10m")
+    replay.add_argument("--to-queue", type=queue_name, help="send to this queue instead of the original one")
+    replay.add_argument("--delay", type=Duration(), help="deliver after this long, e.g. 10m")
     replay.add_argument(
         "--max-age",
-        type=duration_ms,
+        type=Duration(),
         default=DEFAULT_REPLAY_MAX_AGE_MS,
         help="refuse jobs first sent longer ago than this (default 7d)",
     )
@@ -162,23 +175,19 @@ def register(
     purge = actions.add_parser("purge", parents=[*parents, output], help="delete handled and expired dead letters")
     purge.add_argument(
         "--older-than",
-        type=duration_ms,
+        type=Duration(),
         default=DEFAULT_RETENTION_MS,
         help="delete dead letters whose last failure is older (default 30d)",
     )
     purge.add_argument("--keep-dead", action="store_true", help="delete no dead letter still in state dead")
     purge.add_argument(
         "--handled-older-than",
-        type=duration_ms,
+        type=Duration(),
         default=0,
         help="delete replayed/discarded rows handled longer ago (default 0s: all)",
     )
     purge.set_defaults(handler=_purge)
     return parser
-
-
-def _error(text: str) -> None:
-    print(f"dramatiq-reliable: error: {text}", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,14 +197,8 @@ def _error(text: str) -> None:
 
 @contextlib.contextmanager
 def _store(args: argparse.Namespace, **options: Any) -> Iterator[DeadLetterStore]:
-    # One direct connection first: a wrong host or password fails at once with the server's own
-    # reason, where a pool would wait out its timeout and report only that.
-    psycopg.connect(args.database_url, connect_timeout=10).close()
-    database = Database(url=args.database_url, max_size=2, timeout_ms=30_000)
-    try:
+    with open_database(args) as database:
         yield DeadLetterStore(database=database, schema=args.schema, **options)
-    finally:
-        database.close()
 
 
 def _filter(args: argparse.Namespace) -> DeadLetterFilter:
@@ -214,18 +217,20 @@ def _list(args: argparse.Namespace) -> int:
     state = None if args.state == "all" else args.state
     with _store(args) as store:
         page = store.list(where=where, state=state, limit=args.limit, cursor=args.cursor)
+        # An empty first page in one state: say how many the other states hold, so an empty
+        # answer after a discard does not read as "there never were any".
+        others = store.count(where=where, state=None) if state and not page.items and not args.cursor else 0
     if args.json:
-        _print_json({"dead_letters": [item.as_dict() for item in page.items], "next_cursor": page.next_cursor})
+        output.print_json({"dead_letters": [item.as_dict() for item in page.items], "next_cursor": page.next_cursor})
         return ExitCode.OK
     if not page.items:
-        kind = "" if state in (None, "dead") else f"{state} "
-        print(f"no {kind}dead letters ({where.describe()})")
+        print(_nothing_listed(state, where, others, after_cursor=args.cursor is not None))
         return ExitCode.OK
     now = datetime.datetime.now(datetime.timezone.utc)
     rows = [
         [
             str(item.id),
-            _ago(item.last_failed_at, now),
+            output.ago(item.last_failed_at, now),
             item.actor_name,
             item.queue_name,
             str(item.attempts),
@@ -236,7 +241,7 @@ def _list(args: argparse.Namespace) -> int:
         for item in page.items
     ]
     headers = ["ID", "AGE", "ACTOR", "QUEUE", "ATTEMPTS", "REASON", *(["STATE"] if state is None else []), "ERROR"]
-    _print_table(headers, rows)
+    output.print_table(headers, rows, max_width=48, fit_last=True)
     if page.next_cursor:
         print(f"more: add --cursor {page.next_cursor}", file=sys.stderr)
     return ExitCode.OK
@@ -246,10 +251,10 @@ def _show(args: argparse.Namespace) -> int:
     with _store(args) as store:
         item = store.get(args.id)
     if item is None:
-        _error(f"dead letter {args.id} not found; 'dead-letters list --state all' shows the ids")
+        print_error(f"dead letter {args.id} not found; 'dead-letters list --state all' shows the ids")
         return NOT_FOUND
     if args.json:
-        _print_json(item.as_dict())
+        output.print_json(item.as_dict())
         return ExitCode.OK
     out = sys.stdout
     out.write(f"dead letter {item.id} ({item.state})\n")
@@ -281,7 +286,11 @@ def _show(args: argparse.Namespace) -> int:
         out.write(f"  {name:<13}{value}\n")
     message = item.message or {}
     for key in ("args", "kwargs", "options"):
-        out.write(f"{key}: {json.dumps(message.get(key), sort_keys=True, default=str)}\n")
+        shown = message.get(key)
+        if key == "options" and isinstance(shown, dict):
+            # Dramatiq's Retries keeps a copy of the traceback in the options: print it once, below.
+            shown = {option: setting for option, setting in shown.items() if option != "traceback"}
+        out.write(f"{key}: {json.dumps(shown, sort_keys=True, default=str)}\n")
     out.write("traceback:\n")
     out.write("".join(f"  {line}\n" for line in (item.traceback or "-").rstrip("\n").splitlines()))
     return ExitCode.OK
@@ -293,7 +302,7 @@ def _stats(args: argparse.Namespace) -> int:
         groups = store.stats(where=where, limit=args.limit)
         total = store.count(where=where)
     if args.json:
-        _print_json({"total": total, "groups": [group.as_dict() for group in groups]})
+        output.print_json({"total": total, "groups": [group.as_dict() for group in groups]})
         return ExitCode.OK
     if not groups:
         print(f"no dead letters ({where.describe()})")
@@ -306,12 +315,14 @@ def _stats(args: argparse.Namespace) -> int:
             group.error_type or "-",
             group.culprit or "-",
             group.actor_name + (f" (+{group.actors - 1})" if group.actors > 1 else ""),
-            _ago(group.last_failed_at, now),
+            output.ago(group.last_failed_at, now),
             _one_line(group.error_message),
         ]
         for group in groups
     ]
-    _print_table(["COUNT", "FINGERPRINT", "ERROR", "CULPRIT", "ACTOR", "LAST", "MESSAGE"], rows)
+    output.print_table(
+        ["COUNT", "FINGERPRINT", "ERROR", "CULPRIT", "ACTOR", "LAST", "MESSAGE"], rows, max_width=48, fit_last=True
+    )
     shown = sum(group.count for group in groups)
     more = f"; {total - shown:,} more in smaller groups (raise --limit)" if total > shown else ""
     print(f"{total:,} dead letters in {len(groups)} group(s) shown{more}", file=sys.stderr)
@@ -331,7 +342,7 @@ def _replay(args: argparse.Namespace) -> int:
             question = f"replay {total:,} dead letter(s) ({where.describe()}) through the outbox"
             if too_old:
                 question += (
-                    f"; {too_old:,} first sent more than {_duration_text(args.max_age)} ago stay dead "
+                    f"; {too_old:,} first sent more than {output.age(args.max_age / 1000)} ago stay dead "
                     "(--force replays them)"
                 )
             if not _confirm(args, question, f"replay {total:,} dead letter(s)"):
@@ -348,13 +359,13 @@ def _replay(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.finish()
     if args.json:
-        _print_json(result.as_dict())
+        output.print_json(result.as_dict())
     else:
         where_to = f"queue {args.to_queue!r}" if args.to_queue else "their queues"
         print(f"replayed {result.replayed:,} dead letter(s) to {where_to} through the outbox; the relay publishes them")
         if result.too_old and not ids:
             print(
-                f"{result.too_old:,} first sent more than {_duration_text(args.max_age)} ago stayed dead: "
+                f"{result.too_old:,} first sent more than {output.age(args.max_age / 1000)} ago stayed dead: "
                 "replay them with --force, or discard them"
             )
         for dead_letter_id, problem in sorted(result.problems.items()):
@@ -380,7 +391,7 @@ def _discard(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.finish()
     if args.json:
-        _print_json(result.as_dict())
+        output.print_json(result.as_dict())
     else:
         print(f"discarded {result.discarded:,} dead letter(s)")
         for dead_letter_id, problem in sorted(result.problems.items()):
@@ -395,7 +406,7 @@ def _purge(args: argparse.Namespace) -> int:
             handled_older_than_ms=args.handled_older_than,
         )
     if args.json:
-        _print_json({"deleted": result.deleted, "dead": result.dead, "handled": result.handled})
+        output.print_json({"deleted": result.deleted, "dead": result.dead, "handled": result.handled})
     else:
         print(
             f"deleted {result.deleted:,} dead letter row(s): {result.handled:,} replayed or discarded, "
@@ -412,7 +423,7 @@ def _purge(args: argparse.Namespace) -> int:
 def _target(args: argparse.Namespace, verb: str) -> tuple[list[int], DeadLetterFilter] | None:
     where = _filter(args)
     if not args.ids and where.is_empty and not args.all:
-        _error(
+        print_error(
             f"say which dead letters to {verb}: ids, a filter (--actor, --queue, --error-type, --fingerprint, "
             "--since, --until) or --all"
         )
@@ -424,7 +435,7 @@ def _confirm(args: argparse.Namespace, question: str, what: str) -> bool:
     if args.yes:
         return True
     if not sys.stdin.isatty():
-        _error(f"refusing to {what} without confirmation: stdin is not a terminal; pass --yes")
+        print_error(f"refusing to {what} without confirmation: stdin is not a terminal; pass --yes")
         return False
     print(f"{question}? [y/N] ", end="", file=sys.stderr, flush=True)
     answer = sys.stdin.readline().strip().lower()
@@ -436,7 +447,7 @@ def _confirm(args: argparse.Namespace, question: str, what: str) -> bool:
 
 def _nothing(args: argparse.Namespace, verb: str, where: DeadLetterFilter, empty: dict[str, Any]) -> int:
     if args.json:
-        _print_json(empty)
+        output.print_json(empty)
     else:
         print(f"no dead letters to {verb} ({where.describe()})")
     return ExitCode.OK
@@ -477,31 +488,18 @@ class _Progress:
             self.stream.flush()
 
 
-def _print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, default=str, ensure_ascii=False) + "\n")
-
-
-def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """Aligned columns; the last column is cut to the terminal's width."""
-    widths = [len(header) for header in headers]
-    for row in rows:
-        for index, cell in enumerate(row[:-1]):
-            widths[index] = min(max(widths[index], len(cell)), 48)
-    width = shutil.get_terminal_size((160, 24)).columns
-    used = sum(widths[:-1]) + 2 * (len(headers) - 1)
-    last = max(width - used, 20)
-
-    def line(cells: Sequence[str]) -> str:
-        parts = [_cut(cell, widths[index]).ljust(widths[index]) for index, cell in enumerate(cells[:-1])]
-        return "  ".join([*parts, _cut(cells[-1], last)]).rstrip()
-
-    sys.stdout.write(line(headers) + "\n")
-    for row in rows:
-        sys.stdout.write(line(row) + "\n")
-
-
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+def _nothing_listed(state: str | None, where: DeadLetterFilter, others: int, *, after_cursor: bool) -> str:
+    if after_cursor:
+        return "no more dead letters: that was the last page"
+    what = {"dead": "no dead letters waiting", None: "no dead letters in any state"}.get(
+        state, f"no {state} dead letters"
+    )
+    scope = ([f"state: {state}"] if state else []) + ([] if where.is_empty else [f"filter: {where.describe()}"])
+    text = f"{what} ({'; '.join(scope)})" if scope else what
+    if others:
+        kinds = "replayed or discarded" if state == "dead" else "in other states"
+        text += f"; {others:,} {kinds}: see them with --state all"
+    return text
 
 
 def _one_line(text: str) -> str:
@@ -511,21 +509,6 @@ def _one_line(text: str) -> str:
 def _error_line(item: DeadLetter) -> str:
     message = _one_line(item.error_message)
     return f"{item.error_type}: {message}" if item.error_type else message
-
-
-def _ago(then: datetime.datetime, now: datetime.datetime) -> str:
-    seconds = max(int((now - then).total_seconds()), 0)
-    for unit, size in (("d", 86_400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
-
-
-def _duration_text(ms: int) -> str:
-    for unit, size in (("w", 7 * 86_400_000), ("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
-        if ms and ms % size == 0:
-            return f"{ms // size}{unit}"
-    return f"{ms}ms"
 
 
 def _when(value: datetime.datetime) -> str:

@@ -28,6 +28,7 @@ from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.common import q_name
 from dramatiq.errors import BrokerConnectionError
 
+from .._util import rabbitmq_error, rabbitmq_reason
 from ..errors import BrokerUnavailable
 
 __all__ = ["Publication", "PublishOutcome", "Publisher"]
@@ -110,7 +111,7 @@ class Publisher:
                 raise BrokerUnavailable("RabbitMQ closed the channel while enabling publisher confirms")
         except (pika.exceptions.AMQPError, OSError) as error:
             self._reset()
-            raise BrokerUnavailable(f"cannot open a RabbitMQ channel: {_describe(error)}") from error
+            raise BrokerUnavailable(f"cannot open a RabbitMQ channel: {rabbitmq_reason(error)}") from error
         self._blocking_channel = blocking
         self._channel = channel
         self._next_tag = 0
@@ -161,7 +162,7 @@ class Publisher:
             self._declarer.channel  # noqa: B018 - opens a connection and channel if possible
         except (pika.exceptions.AMQPError, OSError, BrokerConnectionError) as error:
             self._reset()
-            raise BrokerUnavailable(f"RabbitMQ is unreachable: {_describe(error)}") from cause
+            raise BrokerUnavailable(rabbitmq_error(error, self._declarer.parameters)) from cause
 
     def _publish_pipelined(self, publications: Sequence[Publication], outcome: PublishOutcome) -> list[Publication]:
         """Publish and wait; return the publications left without an outcome by a channel error."""
@@ -206,7 +207,9 @@ class Publisher:
             pass  # handled below as a channel error
         except (pika.exceptions.AMQPError, OSError) as error:
             self._reset()
-            raise BrokerUnavailable(f"lost the RabbitMQ connection while publishing: {_describe(error)}") from error
+            raise BrokerUnavailable(
+                f"lost the RabbitMQ connection while publishing: {rabbitmq_reason(error)}"
+            ) from error
         if channel.is_closed:
             reason = getattr(channel, "_closing_reason", None)
             self._last_channel_error = (

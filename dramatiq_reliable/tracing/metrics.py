@@ -128,7 +128,7 @@ class HealthGauges:
                 names.METRIC_QUEUE_DEPTH,
                 callbacks=[self._observe_depth],
                 unit="{message}",
-                description="Ready messages in RabbitMQ, by queue and kind (ready, delayed, dead).",
+                description="Ready messages in RabbitMQ, by queue and kind (ready, delayed, xq).",
             )
 
     def disconnect(self) -> None:
@@ -205,7 +205,7 @@ class HealthGauges:
             return []
         observations = []
         for item in health.queues:
-            for kind, value in (("ready", item.depth), ("delayed", item.delayed), ("dead", item.dead)):
+            for kind, value in (("ready", item.depth), ("delayed", item.delayed), ("xq", item.xq)):
                 if value is not None:
                     observations.append(
                         Observation(value, {names.MESSAGING_DESTINATION_NAME: item.queue, names.QUEUE_KIND: kind})

@@ -31,13 +31,14 @@ def _capture(
     queue_name: str = "default",
     error: BaseException | None = None,
     sent_days_ago: float = 0,
+    options: dict[str, Any] | None = None,
 ) -> DeadLetter:
     message = Message(
         queue_name=queue_name,
         actor_name=actor_name,
         args=(42,),
         kwargs={},
-        options={"retries": 3},
+        options={"retries": 3, **(options or {})},
         message_timestamp=int((time.time() - sent_days_ago * 86400) * 1000),
     )
     proxy = MessageProxy(message)
@@ -101,7 +102,7 @@ def test_list_prints_a_readable_table_filters_it_and_gives_scripts_json(broker, 
     code, out, _ = run("dead-letters", "list", "--since", "1h", "--until", "2099-01-01", "--json")
     assert len(json.loads(out)["dead_letters"]) == 2
     code, out, _ = run("dead-letters", "list", "--until", "1h")
-    assert code == ExitCode.OK and out.startswith("no dead letters (until=")
+    assert code == ExitCode.OK and out.startswith("no dead letters waiting (state: dead; filter: until=")
 
     code, out, err = run("dead-letters", "list", "--limit", "1")
     assert len(out.splitlines()) == 2 and "--cursor" in err
@@ -122,6 +123,31 @@ def test_show_prints_the_whole_story_and_an_unknown_id_is_not_found(broker, run)
     code, out, err = run("dead-letters", "show", "999999")
     assert code == NOT_FOUND == 7
     assert "dead letter 999999 not found" in err and out == ""
+
+
+def test_show_prints_the_traceback_once_though_dramatiq_keeps_a_copy_in_the_options(broker, run):
+    # Dramatiq's Retries stores the last traceback in the message options; show prints it below.
+    stored = _capture(broker, options={"traceback": "Traceback (most recent call last):\n  ...\nValueError: x\n"})
+    code, out, _ = run("dead-letters", "show", str(stored.id))
+    assert code == ExitCode.OK
+    assert out.count("Traceback (most recent call last)") == 1
+    assert 'options: {"retries": 3}' in out
+
+
+def test_an_empty_listing_says_what_it_filtered_and_what_the_other_states_hold(broker, run):
+    kept = _capture(broker, actor_name="charge_card")
+    code, out, _ = run("dead-letters", "discard", str(kept.id))
+    assert code == ExitCode.OK
+    code, out, _ = run("dead-letters", "list")
+    assert code == ExitCode.OK
+    assert out == "no dead letters waiting (state: dead); 1 replayed or discarded: see them with --state all\n"
+    code, out, _ = run("dead-letters", "list", "--state", "replayed", "--actor", "charge_card")
+    assert out == (
+        "no replayed dead letters (state: replayed; filter: actor_name='charge_card'); "
+        "1 in other states: see them with --state all\n"
+    )
+    code, out, _ = run("dead-letters", "list", "--state", "all")
+    assert str(kept.id) in out and "discarded" in out
 
 
 def test_stats_shows_one_row_per_bug(broker, run):
@@ -186,7 +212,7 @@ def test_bulk_replay_leaves_old_jobs_and_says_how_to_replay_them(broker, run):
     _capture(broker, sent_days_ago=10)
     code, out, _ = run("dead-letters", "replay", "--all", "--yes", "--max-age", "7d")
     assert code == REFUSED
-    assert "replayed 1 dead letter(s)" in out and "1 first sent more than 1w ago stayed dead" in out
+    assert "replayed 1 dead letter(s)" in out and "1 first sent more than 7.0d ago stayed dead" in out
     code, out, _ = run("dead-letters", "replay", "--all", "--yes", "--force", "--json")
     assert code == ExitCode.OK and json.loads(out)["replayed"] == 1
 

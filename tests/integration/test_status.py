@@ -109,7 +109,7 @@ def test_check_fails_on_queue_depth_and_dead_letters(run, broker, queue_name, db
     code, _out, err = run("--check", "--max-queue-depth", "2", "--max-dead-letters", "0")
     assert code == ExitCode.CHECK_FAILED
     assert f"queue {queue_name!r}: 3 messages waiting, over --max-queue-depth 2" in err
-    assert f"queue {queue_name!r}: 1 dead letters, over --max-dead-letters 0" in err
+    assert f"queue {queue_name!r}: 1 dead letter, over --max-dead-letters 0" in err
     code, _out, err = run("--check", "--max-queue-depth", "3", "--max-dead-letters", "1")
     assert code == ExitCode.OK, err
 
@@ -128,7 +128,7 @@ def test_json_reports_every_number_per_queue(run, broker, queue_name, db, db_sch
     document = json.loads(out)
     (entry,) = [q for q in document["queues"] if q["queue"] == queue_name]
     assert entry["depth"] == 1
-    assert entry["delayed"] == 0 and entry["dead"] == 0
+    assert entry["delayed"] == 0 and entry["xq"] == 0
     assert entry["outbox_backlog"] == 2
     assert 30 <= entry["outbox_oldest_age_s"] < 60
     assert entry["dead_letters"] == 1
@@ -161,9 +161,9 @@ def test_an_unmigrated_schema_exits_with_the_schema_code(run):
 
 
 def test_thresholds_without_check_are_a_usage_error(run):
-    with pytest.raises(SystemExit) as exit_info:
-        run("--max-queue-depth", "3")
-    assert exit_info.value.code == ExitCode.USAGE
+    code, out, err = run("--max-queue-depth", "3")
+    assert code == ExitCode.USAGE
+    assert out == "" and err == "dramatiq-reliable: error: the --max-* thresholds apply only with --check\n"
 
 
 def test_the_module_runs_as_a_command_for_probes(database_url, rabbitmq_url, db_schema, broker, queue_name, db):
@@ -240,16 +240,16 @@ def test_check_health_names_each_crossed_threshold_and_ignores_unknown_numbers()
     health = health_lib.Health(
         queues=(
             health_lib.QueueHealth(
-                queue="a", depth=5, dead=2, outbox_backlog=1, outbox_oldest_age_s=61.0, dead_letters=0
+                queue="a", depth=5, xq=2, outbox_backlog=1, outbox_oldest_age_s=61.0, dead_letters=0
             ),
             health_lib.QueueHealth(queue="b"),  # nothing known: nothing crossed
         ),
         collected_at=0.0,
         dead_letters_table=True,
     )
-    limits = health_lib.Thresholds(max_outbox_age_ms=60_000, max_queue_depth=5, max_dead_queue=1, max_dead_letters=0)
+    limits = health_lib.Thresholds(max_outbox_age_ms=60_000, max_queue_depth=5, max_xq=1, max_dead_letters=0)
     assert health_lib.check_health(health, limits) == [
         "queue 'a': oldest unpublished outbox row is 61s old, over --max-outbox-age 60s (is a relay running?)",
-        "queue 'a': 2 messages in its .XQ, over --max-dead-queue 1",
+        "queue 'a': 2 messages in its .XQ, over --max-xq 1",
     ]
     assert health_lib.check_health(health, health_lib.Thresholds()) == []

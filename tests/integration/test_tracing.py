@@ -214,7 +214,7 @@ def test_a_duplicate_and_a_dead_letter_show_their_events_and_gauges_count_them(
     assert otel.total("dramatiq_reliable.duplicates_skipped", **dest) == 1
     assert otel.total("dramatiq_reliable.dead_lettered", **dest) == 1
     assert otel.total("dramatiq_reliable.dead_letters.pending", **dest) == 1
-    assert otel.total("dramatiq_reliable.queue.depth", **dest, **{"dramatiq_reliable.queue.kind": "dead"}) == 1
+    assert otel.total("dramatiq_reliable.queue.depth", **dest, **{"dramatiq_reliable.queue.kind": "xq"}) == 1
 
 
 def test_gauges_read_the_outbox_backlog_and_queue_depth(traced, queue_name, otel, db, db_schema, rabbit):

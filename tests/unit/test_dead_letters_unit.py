@@ -309,15 +309,6 @@ def test_register_adds_every_action_with_the_common_options():
     assert parser.parse_args(["dead-letters", "discard", "3", "4", "--reason", "dup"]).ids == [3, 4]
 
 
-def test_tables_align_and_cut_the_last_column(capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "40")
-    cli._print_table(["ID", "ERROR"], [["1", "ValueError: " + "x" * 100], ["22", "short"]])
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "ID  ERROR"
-    assert lines[1].startswith("1   ValueError: x") and lines[1].endswith("…") and len(lines[1]) <= 40
-    assert lines[2] == "22  short"
-
-
 def test_progress_rewrites_one_line_on_a_terminal_and_prints_lines_otherwise():
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -1,0 +1,72 @@
+"""``dramatiq-reliable outbox``: the backlog at a glance, and the purge of published rows."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from .. import _sql, schema
+from . import output
+from .common import Duration, ExitCode, connect, open_database
+
+__all__ = ["register"]
+
+
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    parents: Sequence[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add ``outbox stats`` and ``outbox purge``; ``parents`` supply ``--database-url`` and ``--schema``."""
+    parser = subparsers.add_parser(
+        "outbox",
+        help="inspect and maintain the outbox",
+        description="The outbox: messages committed with the app's transactions, waiting for the relay.",
+    )
+    actions = parser.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
+    stats = actions.add_parser(
+        "stats",
+        parents=list(parents),
+        help="backlog, failing rows, oldest age",
+        description="Rows waiting for the relay, rows that failed to publish on their own, and the oldest row's age.",
+    )
+    stats.add_argument("--json", action="store_true", help="print JSON for scripts")
+    stats.set_defaults(handler=_stats)
+    purge = actions.add_parser(
+        "purge",
+        parents=list(parents),
+        help="delete published rows past retention",
+        description="Delete published rows older than --older-than (a relay with --on-published mark keeps them).",
+    )
+    purge.add_argument(
+        "--older-than", type=Duration(), default="1d", metavar="DURATION", help="delete published rows older than this"
+    )
+    purge.add_argument("--json", action="store_true", help="print JSON for scripts")
+    purge.set_defaults(handler=_purge)
+    return parser
+
+
+def _stats(args: argparse.Namespace) -> int:
+    with connect(args) as conn:
+        schema.ensure_ready(conn, schema=args.schema, required=schema.OUTBOX_VERSION, feature="outbox")
+        row = _sql.tuples(conn).execute(_sql.query("outbox_stats", args.schema)).fetchone()
+    assert row is not None
+    backlog, failing, oldest_s = int(row[0]), int(row[1]), round(float(row[2]), 3)
+    if args.json:
+        output.print_json({"backlog": backlog, "failing": failing, "oldest_age_s": oldest_s})
+        return ExitCode.OK
+    print(f"backlog  {output.count(backlog, 'row')} waiting for the relay")
+    print(f"failing  {output.count(failing, 'row')} failed to publish on their own; retried with backoff")
+    print(f"oldest   {output.age(oldest_s) if backlog else '-'}")
+    return ExitCode.OK
+
+
+def _purge(args: argparse.Namespace) -> int:
+    from ..outbox.relay import purge_published
+
+    with open_database(args) as database:
+        deleted = purge_published(database, schema=args.schema, older_than_ms=args.older_than)
+    if args.json:
+        output.print_json({"deleted": deleted})
+    else:
+        print(f"deleted {output.count(deleted, 'published row')}")
+    return ExitCode.OK
