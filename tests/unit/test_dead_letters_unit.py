@@ -22,15 +22,13 @@ from dramatiq_reliable.dead_letters import (
     DeadLetterFilter,
     DeadLetters,
     DeadLetterStore,
-    _decode_cursor,
-    _describe_failure,
-    _encode_cursor,
-    _json_text,
     find_culprit,
     fingerprint,
     format_traceback,
     notify_channel,
 )
+from dramatiq_reliable.dead_letters.analysis import _describe_failure, _json_text
+from dramatiq_reliable.dead_letters.validators import _decode_cursor, _encode_cursor
 
 UTC = datetime.timezone.utc
 
