@@ -21,6 +21,7 @@ from ..errors import ConfigurationError
 from ..outbox.binding import bound_connection
 from ..outbox.broker import OutboxBroker
 from .analysis import _clean_text, _Failure
+from .connect import write_within
 from .records import (
     _DEFAULT_BATCH,
     _MAX_ERROR_MESSAGE_CHARS,
@@ -152,13 +153,15 @@ class DeadLetterStore:
     # -- capture -------------------------------------------------------------------------------
 
     def _store(self, failure: _Failure, *, timeout_ms: int) -> DeadLetter:
-        with self.database.connection() as conn, conn.transaction():
+        def insert(conn: psycopg.Connection[Any]) -> tuple[Any, ...] | None:
             self._check_ready(conn)
-            # Bounds lock waits (a concurrent replay of the same message) so a nack is never held long.
-            conn.execute("SELECT set_config('statement_timeout', %s, true)", (str(timeout_ms),))
-            row = (
+            return (
                 _sql.tuples(conn).execute(self._query("dead_letters_capture"), failure.params(self.channel)).fetchone()
             )
+
+        # The statement timeout bounds lock waits (a concurrent replay of the same message) and
+        # the retries bound an outage: either way the nack waits at most about timeout_ms.
+        row = write_within(self.database, self.schema, timeout_ms, insert)
         assert row is not None
         dead_letter_id, captures, sent_at, first_failed_at, last_failed_at = row[:5]
         return DeadLetter(
