@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import socket
 import sysconfig
 import time
@@ -129,9 +130,23 @@ def _clip(text: str, max_chars: int) -> str:
     return text[:head] + marker + text[len(text) - max(tail, 0) :]
 
 
+# What Postgres text and jsonb refuse: NUL, and surrogate code points (a Python str holds one only
+# when it is lone: from surrogateescape, or an unpaired "\\ud800" decoded from JSON).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def _escape_unstorable(match: re.Match[str]) -> str:
+    return "\\x00" if match[0] == "\x00" else f"\\u{ord(match[0]):04x}"
+
+
 def _clean_text(text: str) -> str:
-    # Postgres text cannot hold NUL.
-    return text.replace("\x00", "\ufffd")
+    """``text`` as Postgres can store it: NUL becomes the four characters ``\\x00`` and a lone
+    surrogate its escape, ``\\ud800``; everything else is kept as it is (readable, not reversible)."""
+    return _UNSTORABLE.sub(_escape_unstorable, text)
+
+
+def _storable(text: str) -> bool:
+    return _UNSTORABLE.search(text) is None
 
 
 def _error_message(exception: BaseException | None) -> str:
@@ -160,27 +175,38 @@ def _http_status_of(exception: BaseException | None) -> int | None:
 def _json_text(data: Mapping[str, Any]) -> tuple[str, bool]:
     """``data`` as JSON for a jsonb column, and whether it is exact.
 
-    jsonb refuses NUL characters and NaN, and ``json`` refuses objects; such values are stored
-    in a readable but lossy form rather than losing the whole dead letter.
+    jsonb refuses NUL characters, lone surrogates and NaN, and ``json`` refuses objects; such
+    values are stored in a readable but lossy form (see :func:`_clean_text`; NaN as ``"nan"``,
+    objects as their ``repr``) rather than losing the whole dead letter.
     """
     try:
         text = json.dumps(data, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError):
         return json.dumps(_jsonable(data), separators=(",", ":"), allow_nan=False), False
-    if "\\u0000" in text:
+    if "\\u0000" in text or not _all_storable(data):
         return json.dumps(_jsonable(data), separators=(",", ":"), allow_nan=False), False
     return text, True
 
 
+def _all_storable(value: Any) -> bool:
+    if isinstance(value, str):
+        return _storable(value)
+    if isinstance(value, Mapping):
+        return all(_all_storable(key) and _all_storable(item) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_all_storable(item) for item in value)
+    return True
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, str):
-        return value.replace("\x00", "\ufffd")
+        return _clean_text(value)
     if value is None or isinstance(value, (bool, int)):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else repr(value)
     if isinstance(value, Mapping):
-        return {str(key): _jsonable(item) for key, item in value.items()}
+        return {_clean_text(str(key)): _jsonable(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(item) for item in value]
     return repr(value)
@@ -296,17 +322,23 @@ def _describe_failure(
     if http_status is None:
         http_status = _http_status_of(exception)
 
-    error_type = _type_name(type(exception))[:_MAX_NAME_CHARS] if exception is not None else None
+    error_type = _clean_text(_type_name(type(exception)))[:_MAX_NAME_CHARS] if exception is not None else None
     culprit = find_culprit(exception)
     message_json, exact = _json_text(data)
+    message_id, queue_name, actor_name = (
+        str(data.get("message_id")),
+        q_name(str(data.get("queue_name"))),
+        str(data.get("actor_name")),
+    )
+    exact = exact and all(_storable(name) for name in (message_id, queue_name, actor_name))
     replay_of = options.get("replay_of")
     sent_ms = _as_int(replay_of.get("sent_at_ms")) if isinstance(replay_of, Mapping) else None
     if sent_ms is None:
         sent_ms = _as_int(data.get("message_timestamp")) or int(time.time() * 1000)
     return _Failure(
-        message_id=str(data.get("message_id")),
-        queue_name=q_name(str(data.get("queue_name"))),
-        actor_name=str(data.get("actor_name")),
+        message_id=_clean_text(message_id),
+        queue_name=_clean_text(queue_name),
+        actor_name=_clean_text(actor_name),
         message_json=message_json,
         exact=exact,
         error_type=error_type,
