@@ -21,9 +21,11 @@ from typing import Any
 from dramatiq.common import q_name
 from dramatiq.errors import ActorNotFound
 from dramatiq.middleware import SkipMessage
+from dramatiq.middleware.time_limit import TimeLimitExceeded
 
 from .._util import type_name as _type_name
 from ..classify import http_status_of
+from ..errors import CommitOutcomeUnknown, JobCommitFailed, Unrecoverable
 from .records import _MAX_ERROR_MESSAGE_CHARS, _MAX_NAME_CHARS, FIRST_FAILURE_OPTION
 
 
@@ -299,24 +301,13 @@ def _describe_failure(
     else:
         attempts = retries_now
 
-    if isinstance(exception, ActorNotFound):
-        reason = "actor_not_found"
-    elif isinstance(exception, SkipMessage):
-        reason = "max_age" if "age limit" in str(exception).lower() else "skipped"
-    elif fresh and decision is not None:
-        outcome = decision.get("outcome")
-        if outcome == "exhausted":
-            reason = "retries_exhausted"
-        elif outcome == "deadline":
-            reason = "retry_deadline"
-        else:
-            reason = str(decision.get("reason") or "failed")[:64]
-    elif throws and exception is not None and _isinstance(exception, throws):
-        reason = "throws"
-    elif exception is not None and ran:
-        reason = "retries_exhausted"
-    else:
-        reason = "failed"
+    reason = _reason(
+        exception,
+        decision if fresh else None,
+        ran=ran,
+        counted=retries_now > prior_retries if prior_retries is not None else retries_now >= 1,
+        throws=throws,
+    )
 
     http_status = _as_int(decision.get("http_status")) if fresh and decision is not None else None
     if http_status is None:
@@ -353,6 +344,53 @@ def _describe_failure(
         sent_ms=sent_ms,
         first_failed_ms=_as_int(options.get(FIRST_FAILURE_OPTION)),
     )
+
+
+def _reason(
+    exception: BaseException | None,
+    decision: Mapping[str, Any] | None,
+    *,
+    ran: bool,
+    counted: bool,
+    throws: Any,
+) -> str:
+    """One of :data:`~.records.REASONS`, from the strongest evidence the worker holds.
+
+    ``decision``: the retry middleware's verdict on this very death (``None`` if it gave none);
+    ``counted``: the retry middleware counted this run in ``options["retries"]``, i.e. looked at
+    the failure and still let the message die (Dramatiq's ``Retries`` does that only when the
+    budget is spent).  Nothing falls back to ``retries_exhausted``: without evidence it is ``failed``.
+    """
+    if _in_chain(exception, CommitOutcomeUnknown) or (
+        decision is not None and decision.get("outcome") == "outcome_unknown"
+    ):
+        return "commit_outcome_unknown"
+    if isinstance(exception, SkipMessage) and "age limit" in str(exception).lower():
+        return "age_limit"
+    if isinstance(exception, TimeLimitExceeded):
+        return "time_limit"
+    if decision is not None:
+        outcome = decision.get("outcome")
+        if outcome in ("exhausted", "deadline"):
+            return "retries_exhausted"
+        if outcome == "fail" and decision.get("category") == "permanent":
+            return "unrecoverable"
+        return "failed"
+    if isinstance(exception, Unrecoverable) or (throws and exception is not None and _isinstance(exception, throws)):
+        return "unrecoverable"
+    if exception is not None and ran and counted and not isinstance(exception, (ActorNotFound, JobCommitFailed)):
+        return "retries_exhausted"
+    return "failed"
+
+
+def _in_chain(exception: BaseException | None, kind: type[BaseException]) -> bool:
+    seen = 0
+    while exception is not None and seen < 8:
+        if isinstance(exception, kind):
+            return True
+        exception = exception.__cause__ or exception.__context__
+        seen += 1
+    return False
 
 
 def _isinstance(exception: BaseException, throws: Any) -> bool:

@@ -24,6 +24,23 @@ FIRST_FAILURE_OPTION = "first_failure_ms"
 #: fresh retry budget.  Every other option (trace context, ``max_retries``...) is kept.
 RESET_OPTIONS = ("retries", "traceback", "requeue_timestamp", "retry_decision", "eta", FIRST_FAILURE_OPTION)
 
+#: Why a message died, the values of ``DeadLetter.reason``, each with what it means.  The retry
+#: middleware's finer verdict (``http_404``, ``timeout``...) stays in ``retry_decision``.
+REASONS: Mapping[str, str] = {
+    "retries_exhausted": "it failed on every attempt its retry budget allowed (max_retries, retry_when or "
+    "retry_deadline_ms)",
+    "unrecoverable": "its error was classified permanent (Unrecoverable, throws, a rule, or an error such as "
+    "HTTP 404 that no retry can fix), so it was not retried",
+    "commit_outcome_unknown": "the actor returned but the connection broke during COMMIT, again and again: its "
+    "writes may or may not have landed; a replay is safe, the processed key skips a job that did commit",
+    "time_limit": "its last attempt was killed by the actor's time_limit",
+    "age_limit": "it was older than its max_age when a worker got it, so it never ran",
+    "imported_from_xq": "it was moved from RabbitMQ's .XQ queue by 'dead-letters import-xq'; the error and "
+    "attempts are what the queued body held, which may be from an earlier attempt",
+    "failed": "it failed for good for another reason (an unknown actor, a middleware that failed it, a "
+    "commit Postgres refused): see the error",
+}
+
 State = Literal["dead", "replayed", "discarded"]
 _STATES = ("dead", "replayed", "discarded")
 _CHANNEL_SUFFIX = ".dead_letters"
@@ -135,6 +152,12 @@ class DeadLetter:
     message: Mapping[str, Any] | None = None
     traceback: str | None = None
     retry_decision: Mapping[str, Any] | None = None
+
+    @property
+    def explanation(self) -> str:
+        """What :attr:`reason` means, in a sentence (rows stored before the reasons were fixed
+        may hold older values, explained as such)."""
+        return REASONS.get(self.reason, f"stored with the reason {self.reason!r} of an earlier version")
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (datetimes as ISO 8601 strings); ``None`` fields are kept."""
