@@ -62,6 +62,7 @@ from .database import Database, DatabaseLike
 from .errors import ConfigurationError
 from .outbox.binding import bound_connection
 from .outbox.broker import OutboxBroker
+from .postgres.broker import PostgresBroker
 
 __all__ = [
     "DEFAULT_REPLAY_MAX_AGE_MS",
@@ -727,6 +728,8 @@ class DeadLetterStore:
       retention_ms: :meth:`purge` deletes dead letters whose last failure is older than this;
         ``None`` keeps them until discarded.
       batch_size: rows per transaction in bulk replays, discards and purges.
+      replay_to: ``"outbox"`` (for ``OutboxBroker``: the relay publishes replays) or
+        ``"queue"`` (for ``PostgresBroker``: replays become queue rows directly).
 
     Replays and discards run in the transaction bound with
     :func:`~dramatiq_reliable.outbox.bind` (or ``broker.transaction()``), or the one you pass as
@@ -741,7 +744,11 @@ class DeadLetterStore:
         replay_max_age_ms: int | None = DEFAULT_REPLAY_MAX_AGE_MS,
         retention_ms: int | None = DEFAULT_RETENTION_MS,
         batch_size: int = _DEFAULT_BATCH,
+        replay_to: Literal["outbox", "queue"] = "outbox",
     ) -> None:
+        if replay_to not in ("outbox", "queue"):
+            raise ConfigurationError(f"replay_to must be 'outbox' or 'queue', got {replay_to!r}")
+        self.replay_to = replay_to
         _check_ms("replay_max_age_ms", replay_max_age_ms, allow_none=True, fix="e.g. 7 days = 604800000")
         _check_ms("retention_ms", retention_ms, allow_none=True, fix="e.g. 30 days = 2592000000")
         _check_batch(batch_size)
@@ -755,14 +762,16 @@ class DeadLetterStore:
         self._ready = False
 
     @classmethod
-    def from_broker(cls, broker: OutboxBroker, **options: Any) -> DeadLetterStore:
-        """A store on ``broker``'s pool and schema."""
-        if not isinstance(broker, OutboxBroker):
+    def from_broker(cls, broker: OutboxBroker | PostgresBroker, **options: Any) -> DeadLetterStore:
+        """A store on ``broker``'s pool and schema (replaying onto its queues for a ``PostgresBroker``)."""
+        if not isinstance(broker, (OutboxBroker, PostgresBroker)):
             raise ConfigurationError(
-                f"DeadLetterStore.from_broker() needs an OutboxBroker, got {type(broker).__name__!r}; "
+                f"DeadLetterStore.from_broker() needs an OutboxBroker or a PostgresBroker, got {type(broker).__name__!r}; "
                 "build DeadLetterStore(database=...) instead"
             )
         options.setdefault("schema", broker.schema)
+        if isinstance(broker, PostgresBroker):
+            options.setdefault("replay_to", "queue")
         return cls(database=broker.database, **options)
 
     def close(self) -> None:
@@ -802,7 +811,8 @@ class DeadLetterStore:
 
     def _check_ready(self, conn: psycopg.Connection[Any]) -> None:
         if not self._ready:
-            schema.ensure_ready(conn, schema=self.schema, required=schema.DEAD_LETTERS_VERSION, feature="dead letters")
+            required = schema.QUEUE_VERSION if self.replay_to == "queue" else schema.DEAD_LETTERS_VERSION
+            schema.ensure_ready(conn, schema=self.schema, required=required, feature="dead letters")
             self._ready = True
 
     def _query(self, name: str) -> Any:
@@ -1017,7 +1027,8 @@ class DeadLetterStore:
             "reset_options": list(RESET_OPTIONS),
             "batch": self.batch_size,
         }
-        replayed = self._batches("dead_letters_replay", params, bound, total - too_old, progress) if upto else 0
+        statement = "dead_letters_replay" if self.replay_to == "outbox" else "queue_replay"
+        replayed = self._batches(statement, params, bound, total - too_old, progress) if upto else 0
         problems = self._problems(bound, id_list, before, "replayed", age_limit) if id_list is not None else {}
         events.emit(
             DeadLettersReplayed(
@@ -1259,9 +1270,11 @@ class DeadLetters(Middleware):
         with self._lock:
             if self._store is None:
                 database = self._owned_database or self._database
-                if isinstance(broker, OutboxBroker):
+                replay_to: Literal["outbox", "queue"] = "outbox"
+                if isinstance(broker, (OutboxBroker, PostgresBroker)):
                     database = database or broker.database
                     schema_name = self.schema or broker.schema
+                    replay_to = "queue" if isinstance(broker, PostgresBroker) else "outbox"
                 elif database is None:
                     raise ConfigurationError(
                         f"DeadLetters on a {type(broker).__name__} needs database=; "
@@ -1269,7 +1282,7 @@ class DeadLetters(Middleware):
                     )
                 else:
                     schema_name = self.schema or _sql.DEFAULT_SCHEMA
-                self._store = DeadLetterStore(database=database, schema=schema_name)
+                self._store = DeadLetterStore(database=database, schema=schema_name, replay_to=replay_to)
             return self._store
 
     # -- lifecycle -----------------------------------------------------------------------------
