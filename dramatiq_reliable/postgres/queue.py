@@ -141,9 +141,11 @@ def release(conn: psycopg.Connection[Any], schema: str, held: Held) -> int:
 
 def nack(conn: psycopg.Connection[Any], schema: str, *, row_id: int, lease: int, xq_name: str) -> tuple[int, int]:
     """Take a failed message off its queue: (deleted because a dead letter holds it, kept as ``.XQ``)."""
-    row = _sql.tuples(conn).execute(
-        _sql.query("queue_nack", schema), {"id": row_id, "lease": lease, "xq_name": xq_name}
-    ).fetchone()
+    row = (
+        _sql.tuples(conn)
+        .execute(_sql.query("queue_nack", schema), {"id": row_id, "lease": lease, "xq_name": xq_name})
+        .fetchone()
+    )
     return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
