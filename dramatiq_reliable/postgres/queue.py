@@ -68,12 +68,14 @@ class ClaimedRow:
 @dataclasses.dataclass(frozen=True)
 class QueueCounts:
     """One Postgres queue's numbers: ``ready`` to run now, ``delayed`` (an eta or a retry's
-    backoff), ``held`` by a consumer, and the age of the oldest ready message."""
+    backoff), ``held`` by a consumer, ``dead`` (nacked, kept as ``.XQ``), and the age of the
+    oldest ready message."""
 
     queue_name: str
     ready: int
     delayed: int
     held: int
+    dead: int
     oldest_ready_s: float | None
 
     @property
@@ -183,8 +185,10 @@ def purge_dead(conn: psycopg.Connection[Any], schema: str, *, older_than_ms: int
 
 
 def counts(conn: psycopg.Connection[Any], schema: str) -> list[QueueCounts]:
-    rows = _sql.tuples(conn).execute(_sql.query("queue_stats", schema)).fetchall()
+    rows = _sql.tuples(conn).execute(_sql.query("queue_stats", schema), {}).fetchall()
     return [
-        QueueCounts(row[0], int(row[1]), int(row[2]), int(row[3]), None if row[4] is None else float(row[4]))
+        QueueCounts(
+            row[0], int(row[1]), int(row[2]), int(row[3]), int(row[4]), None if row[5] is None else float(row[5])
+        )
         for row in rows
     ]

@@ -377,7 +377,7 @@ def test_counts_report_ready_delayed_held_and_oldest_age(pg_broker: PostgresBrok
     consumer = pg_broker.consume(qname, prefetch=1, timeout=100)
     held = next(consumer)
     (counts,) = [c for c in pg_broker.counts() if c.queue_name == qname]
-    assert (counts.ready, counts.delayed, counts.held, counts.depth) == (1, 1, 1, 3)
+    assert (counts.ready, counts.delayed, counts.held, counts.dead, counts.depth) == (1, 1, 1, 0, 3)
     assert counts.oldest_ready_s is not None and counts.oldest_ready_s >= 0
     assert held is not None
     consumer.requeue([held])
@@ -420,3 +420,19 @@ def test_a_broker_on_an_unmigrated_schema_says_to_migrate(
             job.send()
     finally:
         broker.close()
+
+
+def test_status_reads_depth_and_oldest_age_of_postgres_queues(
+    pg_broker: PostgresBroker, qname: str, database_url: str
+) -> None:
+    from dramatiq_reliable.health import collect_health
+
+    @dramatiq.actor(queue_name=qname)
+    def job() -> None: ...
+
+    job.send()
+    job.send_with_options(delay=60_000)
+    health = collect_health(database=database_url, schema=pg_broker.schema)
+    numbers = health.queue(qname)
+    assert (numbers.depth, numbers.delayed, numbers.xq) == (1, 1, 0)
+    assert numbers.queue_oldest_age_s is not None and numbers.queue_oldest_age_s >= 0
