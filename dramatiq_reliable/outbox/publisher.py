@@ -59,6 +59,8 @@ class PublishOutcome:
     #: Set when the connection failed after RabbitMQ had already confirmed (or refused) some
     #: publications: those outcomes are kept, every other key has none (publish it again).
     unavailable: BrokerUnavailable | None = None
+    #: The failed keys whose confirm did not come within the timeout (a subset of ``failed``).
+    timed_out: set[int] = dataclasses.field(default_factory=set)
 
 
 class Publisher:
@@ -249,6 +251,7 @@ class Publisher:
                 BrokerUnavailable(f"RabbitMQ did not confirm {len(unconfirmed)} messages in {self._confirm_timeout_s}s")
             )
             for publication in unconfirmed:
+                outcome.timed_out.add(publication.key)
                 outcome.failed[publication.key] = (
                     f"RabbitMQ did not confirm the message ({len(publication.body):,} bytes) within "
                     f"confirm_timeout_ms={round(self._confirm_timeout_s * 1000)}: a slow link or an oversized "

@@ -319,7 +319,7 @@ class Relay:
                 done = "outbox_delete_published" if self.on_published == "delete" else "outbox_mark_published"
                 conn.execute(_sql.query(done, self.schema), {"ids": outcome.confirmed})
             if outcome.failed:
-                self._record_failures(conn, rows, outcome.failed)
+                self._record_failures(conn, rows, outcome.failed, outcome.timed_out)
         if outcome.confirmed:
             events.emit(OutboxPublished(len(outcome.confirmed), self.schema, (time.perf_counter() - started) * 1000))
         if events.has_listeners():
@@ -335,17 +335,34 @@ class Relay:
         # Rows left out by max_batch_bytes count as claimed: drain() goes on to the next pass.
         return RelayPass(len(outcome.confirmed), len(outcome.failed), len(claimed) - len(rows))
 
-    def _record_failures(self, conn: psycopg.Connection[Any], rows: list[Any], failed: dict[int, str]) -> None:
+    def _record_failures(
+        self, conn: psycopg.Connection[Any], rows: list[Any], failed: dict[int, str], timed_out: set[int]
+    ) -> None:
+        attempts: dict[int, int] = {}
+        # A row that outlasted the confirm timeout cost the relay that long: it waits at least
+        # as long before its next try, so the rows behind it get most of the relay's time.
+        confirm_s = self.options.confirm_timeout_ms / 1000
+        for ids, base_s in (
+            ([i for i in failed if i not in timed_out], self.backoff_min_s),
+            ([i for i in failed if i in timed_out], max(self.backoff_min_s, confirm_s)),
+        ):
+            if not ids:
+                continue
+            attempts.update(
+                _sql.tuples(conn)
+                .execute(
+                    _sql.query("outbox_record_failure", self.schema),
+                    {
+                        "ids": ids,
+                        "errors": [failed[i][:_MAX_ERROR_CHARS] for i in ids],
+                        "base_s": base_s,
+                        "max_s": max(self.row_backoff_max_s, base_s),
+                    },
+                )
+                .fetchall()
+            )
         ids = list(failed)
         errors = [failed[i][:_MAX_ERROR_CHARS] for i in ids]
-        attempts = dict(
-            _sql.tuples(conn)
-            .execute(
-                _sql.query("outbox_record_failure", self.schema),
-                {"ids": ids, "errors": errors, "base_s": self.backoff_min_s, "max_s": self.row_backoff_max_s},
-            )
-            .fetchall()
-        )
         by_id = {row[0]: row for row in rows}
         for row_id, error in zip(ids, errors, strict=True):
             row = by_id[row_id]
