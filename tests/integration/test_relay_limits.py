@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -45,7 +48,7 @@ def _rows(db: psycopg.Connection[Any], db_schema: str) -> dict[int, tuple[Any, .
 
 
 def test_a_large_row_behind_a_slow_link_is_charged_and_the_small_ones_go_through(
-    broker, queue_name, rabbit, db, db_schema, rabbitmq_url
+    broker, queue_name, rabbit, db, db_schema, rabbitmq_url, database_url
 ):
     task = dramatiq.actor(lambda blob: None, actor_name=f"{queue_name}_a", queue_name=queue_name, broker=broker)
     broker.max_payload_bytes = None
@@ -89,6 +92,25 @@ def test_a_large_row_behind_a_slow_link_is_charged_and_the_small_ones_go_through
     rows = _rows(db, db_schema)
     assert sum(1 for row in rows.values() if row[0]) == 6
     assert not rows[big][0] and rows[big][1] == 2
+    retried = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dramatiq_reliable",
+            "outbox",
+            "retry",
+            "--json",
+            "--schema",
+            db_schema,
+            "--database-url",
+            database_url,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(retried.stdout) == {"reset": 1}
+    assert _rows(db, db_schema)[big][1] == 0, "outbox retry gives a poisoned row a fresh start"
 
 
 def test_a_confirm_timeout_keeps_the_rows_rabbitmq_confirmed(broker, queue_name, rabbit, db, db_schema, rabbitmq_url):
