@@ -26,6 +26,7 @@ from dramatiq.worker import ConsumerThread, WorkerThread
 from psycopg_pool import PoolTimeout
 
 from .. import _sql, schema
+from .._util import redact
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError, NotBound, OutboxWriteError, PayloadError, SchemaNotReady
 from .binding import bind, bound_connection
@@ -279,7 +280,7 @@ class OutboxBroker(RabbitmqBroker):
                         raise
                     raise OutboxWriteError(
                         f"could not write message {params['message_id']!r} to the outbox in schema {self.schema!r}: "
-                        f"{type(error).__name__}: {error}; the message was not sent, check the database connection"
+                        f"{type(error).__name__}: {redact(str(error))}; the message was not sent, check the database connection"
                     ) from error
                 if attempt >= 2:
                     logger.warning(
@@ -318,7 +319,7 @@ class OutboxBroker(RabbitmqBroker):
         except psycopg.Error as error:
             raise OutboxWriteError(
                 f"could not write message {params['message_id']!r} to the outbox in schema {self.schema!r}: "
-                f"{type(error).__name__}: {error}; the message was not sent, check the database connection "
+                f"{type(error).__name__}: {redact(str(error))}; the message was not sent, check the database connection "
                 "and retry the transaction"
             ) from error
 
@@ -328,7 +329,7 @@ class OutboxBroker(RabbitmqBroker):
                 schema.ensure_ready(conn, schema=self.schema, required=schema.OUTBOX_VERSION, feature="outbox")
             except psycopg.Error as error:
                 raise OutboxWriteError(
-                    f"could not check the outbox schema {self.schema!r}: {type(error).__name__}: {error}; "
+                    f"could not check the outbox schema {self.schema!r}: {type(error).__name__}: {redact(str(error))}; "
                     "check the database connection"
                 ) from error
             self._checked_schema = True

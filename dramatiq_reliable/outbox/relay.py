@@ -33,6 +33,7 @@ from psycopg_pool import PoolTimeout
 from .. import _sql, events, schema
 from .._util import first_line as _first_line
 from .._util import is_int as _is_int
+from .._util import redact
 from ..database import Database, DatabaseLike
 from ..errors import BrokerUnavailable, ConfigurationError, SchemaNotReady
 from .broker import OutboxBroker
@@ -442,7 +443,7 @@ class Relay:
                     logger.warning(
                         "outbox relay cannot reach Postgres (%s: %s); retrying in %.1fs",
                         type(error).__name__,
-                        _first_line(error),
+                        redact(_first_line(error)),
                         delay,
                     )
                     self._close_listener()
