@@ -73,6 +73,7 @@ from .errors import (
 )
 from .outbox.binding import bind
 from .outbox.broker import OutboxBroker
+from .postgres.broker import PostgresBroker
 from .retries import (
     RETRY_DECISION_KEY,
     ClassifiedRetries,
@@ -437,8 +438,8 @@ class Idempotency(Middleware):
         if self._target is None:
             if self._own_database is not None:
                 database = self._own_database
-                default_schema = broker.schema if isinstance(broker, OutboxBroker) else _sql.DEFAULT_SCHEMA
-            elif isinstance(broker, OutboxBroker):
+                default_schema = broker.schema if isinstance(broker, (OutboxBroker, PostgresBroker)) else _sql.DEFAULT_SCHEMA
+            elif isinstance(broker, (OutboxBroker, PostgresBroker)):
                 database, default_schema = broker.database, broker.schema
             else:
                 raise ActorOptionError(
@@ -1048,7 +1049,7 @@ def make_purge_actor(
         middleware = next((m for m in broker.middleware if isinstance(m, Idempotency)), None)
         if middleware is not None:
             database, default_schema = middleware.database_for(broker)
-        elif isinstance(broker, OutboxBroker):
+        elif isinstance(broker, (OutboxBroker, PostgresBroker)):
             database, default_schema = broker.database, broker.schema
         else:
             raise ConfigurationError(
@@ -1056,7 +1057,7 @@ def make_purge_actor(
             )
     else:
         database = Database.of(database)
-        default_schema = broker.schema if isinstance(broker, OutboxBroker) else _sql.DEFAULT_SCHEMA
+        default_schema = broker.schema if isinstance(broker, (OutboxBroker, PostgresBroker)) else _sql.DEFAULT_SCHEMA
     schema_name = _sql.validate_schema(schema or default_schema)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigurationError(f"batch_size must be a positive int, got {batch_size!r}")
