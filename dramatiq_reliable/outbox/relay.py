@@ -569,6 +569,10 @@ class WorkerRelay(Middleware):
     def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
         if self.relay is not None and self._thread is not None:
             self.relay.stop()
-            self._thread.join(timeout=30)
+            # The batch in hand may wait out its confirms (twice: the one-by-one retry of a
+            # channel error) and a statement: past that bound, the uncommitted claim rolls back
+            # and a later pass publishes those rows again (at least once, never lost).
+            options = self.relay.options
+            self._thread.join(timeout=(2 * options.confirm_timeout_ms + options.statement_timeout_ms) / 1000 + 5)
             self.relay = None
             self._thread = None
