@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import dramatiq
+import embedded_postgres  # noqa: F401  (first: an embedded Postgres if DATABASE_URL is unset)
 import pika
 import psycopg
 import pytest
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
-from embedded_postgres import pytest_terminal_summary  # noqa: F401  (embedded Postgres if DATABASE_URL is unset)
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
