@@ -48,6 +48,11 @@ from dramatiq_reliable.classify import (
 )
 from dramatiq_reliable.errors import ConfigurationError, Unrecoverable
 
+# The errors kept here hold the clients' sockets (urllib's HTTPError keeps its response, pika
+# drops a refused socket unclosed); they are garbage collected at no set time in this module, so
+# its ResourceWarnings are the clients' and not a leak of ours.
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+
 # --------------------------------------------------------------------------------------------
 # Local servers
 # --------------------------------------------------------------------------------------------
