@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import dramatiq
+import embedded_postgres  # noqa: F401  (first: an embedded Postgres if DATABASE_URL is unset)
 import pika
 import psycopg
 import pytest
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
-from embedded_postgres import pytest_terminal_summary  # noqa: F401  (embedded Postgres if DATABASE_URL is unset)
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
@@ -24,18 +24,49 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from support import Otel, QueueJanitor, Rabbit, new_queue_name, status_server
 
-from dramatiq_reliable import OutboxBroker, schema
+from dramatiq_reliable import OutboxBroker, events, schema
+from dramatiq_reliable._util import redact
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-def _unavailable(service: str, error: BaseException) -> None:
-    message = f"{service} is not reachable ({type(error).__name__}: {error})"
+# Services found unreachable this session: name -> (environment variable, URL tried).
+_MISSING: dict[str, tuple[str, str]] = {}
+_SKIP_PREFIX = "service unreachable: "
+
+
+def _unavailable(service: str, variable: str, url: str, error: BaseException) -> None:
+    _MISSING[service] = (variable, url)
+    message = redact(f"{service} is not reachable at {url} ({type(error).__name__}: {error})".replace("\n", " "))
     if IN_CI:
         pytest.fail(f"{message}; CI=true, so this is a failure, not a skip", pytrace=False)
-    pytest.skip(message)
+    pytest.skip(_SKIP_PREFIX + message)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test by its folder, so ``-m unit`` runs the tests that need no service."""
+    for item in items:
+        parts = item.path.parts
+        for kind in ("unit", "integration", "acceptance"):
+            if kind in parts:
+                item.add_marker(getattr(pytest.mark, kind))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line naming the services that were missing and how to point the tests at them."""
+    if not _MISSING:
+        return
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if _SKIP_PREFIX in str(r.longrepr)]
+    names = " and ".join(_MISSING)
+    how = " ".join(f"{variable}={redact(url)!r}" for variable, url in _MISSING.values())
+    terminalreporter.write_line(
+        f"{len(skipped)} tests skipped: {names} not reachable (tried {how}); start them or point the "
+        "tests at them with DATABASE_URL=postgresql://... RABBITMQ_URL=amqp://... (CI=true fails instead)",
+        yellow=True,
+        bold=True,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +75,7 @@ def database_url() -> str:
         with psycopg.connect(DATABASE_URL, connect_timeout=5) as conn:
             conn.execute("SELECT 1")
     except psycopg.OperationalError as error:
-        _unavailable("Postgres", error)
+        _unavailable("Postgres", "DATABASE_URL", DATABASE_URL, error)
     return DATABASE_URL
 
 
@@ -53,7 +84,7 @@ def rabbitmq_url() -> str:
     try:
         pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL)).close()
     except pika.exceptions.AMQPError as error:
-        _unavailable("RabbitMQ", error)
+        _unavailable("RabbitMQ", "RABBITMQ_URL", RABBITMQ_URL, error)
     return RABBITMQ_URL
 
 
@@ -137,6 +168,17 @@ def worker(broker: OutboxBroker) -> Iterator[dramatiq.Worker]:
     instance = dramatiq.Worker(broker, worker_timeout=100, worker_threads=2)
     yield instance
     instance.stop()
+
+
+@pytest.fixture
+def seen() -> Iterator[list[events.Event]]:
+    """Every event published during the test, in order."""
+    received: list[events.Event] = []
+    events.subscribe(received.append)
+    try:
+        yield received
+    finally:
+        events.unsubscribe(received.append)
 
 
 @pytest.fixture

@@ -1,9 +1,10 @@
-"""Test-suite plugin: an embedded Postgres when DATABASE_URL is unset, and one line for skipped RabbitMQ tests.
+"""Test-suite plugin: an embedded Postgres when DATABASE_URL is unset.
 
 Imported by conftest.py before it reads DATABASE_URL.  With DATABASE_URL unset, it starts
 :class:`~dramatiq_reliable.embedded.EmbeddedPostgres` in ``.dramatiq-reliable/postgres-tests`` of the
 checkout, sets DATABASE_URL for the tests and the processes they start, says so in one line,
-and stops the server at exit.  A real DATABASE_URL always wins (CI exports one).
+and stops the server at exit.  A real DATABASE_URL always wins (CI exports one).  The line
+naming missing services (RabbitMQ) is conftest.py's ``pytest_terminal_summary``.
 """
 
 from __future__ import annotations
@@ -12,13 +13,8 @@ import atexit
 import os
 import sys
 from pathlib import Path
-from typing import Any
-
-import pytest
 
 from dramatiq_reliable.embedded import EmbeddedPostgres
-
-_RABBITMQ_SKIP = "RabbitMQ is not reachable"
 
 
 def _start() -> None:
@@ -31,16 +27,3 @@ def _start() -> None:
 
 
 _start()
-
-
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    """One line for every test skipped for want of a RabbitMQ, naming the variable to set."""
-    skipped = [
-        report
-        for report in terminalreporter.stats.get("skipped", [])
-        if _RABBITMQ_SKIP in str(getattr(report, "longrepr", ""))
-    ]
-    if skipped:
-        terminalreporter.write_line(
-            f"{len(skipped)} tests skipped: no RabbitMQ reachable; start one or set RABBITMQ_URL to run them"
-        )

@@ -36,6 +36,13 @@ def _worker(database_url: str, schema: str, queue: str, *, stall: bool) -> subpr
     )
 
 
+def _close_pipes(process: subprocess.Popen[str]) -> None:
+    """Our ends of the worker's pipes; left open they fail the run with a ResourceWarning."""
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
 def _runs(db: psycopg.Connection[Any], schema: str) -> list[tuple[int, int]]:
     return db.execute(sql.SQL("SELECT n, pid FROM {} ORDER BY at").format(sql.Identifier(schema, "runs"))).fetchall()
 
@@ -65,6 +72,7 @@ def test_a_worker_killed_mid_job_loses_nothing_its_message_runs_after_the_lease(
         finally:
             if doomed.poll() is None:
                 doomed.kill()
+            _close_pipes(doomed)
         killed_at = time.monotonic()
         (first_run,) = _runs(db, db_schema)
         assert first_run[1] == doomed.pid
@@ -80,6 +88,7 @@ def test_a_worker_killed_mid_job_loses_nothing_its_message_runs_after_the_lease(
             assert survivor.stdin is not None
             survivor.stdin.close()
             survivor.wait(timeout=30)
+            _close_pipes(survivor)
         second_run = _runs(db, db_schema)[1]
         assert second_run == (7, survivor.pid)
     finally:

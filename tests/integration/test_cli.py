@@ -171,6 +171,7 @@ def test_a_long_running_relay_logs_progress_between_started_and_stopped(
         if relay.poll() is None:
             relay.kill()
         reader.join(timeout=5)
+        relay.stderr.close()  # type: ignore[union-attr]
     text = "".join(lines)
     assert text.index("outbox relay started") < text.index("relay published 1 row") < text.index("outbox relay stopped")
     assert "Traceback" not in text

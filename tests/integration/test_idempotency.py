@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +35,6 @@ from dramatiq_reliable.testing import drain_outbox, wait_for
 pytestmark = pytest.mark.integration
 
 PLACEMENTS = ["before_callbacks", "appended"]
-
-
-@pytest.fixture
-def seen() -> Iterator[list[events.Event]]:
-    received: list[events.Event] = []
-    events.subscribe(received.append)
-    yield received
-    events.unsubscribe(received.append)
 
 
 @pytest.fixture
@@ -552,5 +543,6 @@ WORKER_SCRIPT = textwrap.dedent(
 
 
 def _spawn(script: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    log = (script.parent / f"worker-{len(list(script.parent.glob('worker-*.log')))}.log").open("wb")
-    return subprocess.Popen([sys.executable, str(script)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    # The child holds its own copy of the log's descriptor: ours is closed once it started.
+    with (script.parent / f"worker-{len(list(script.parent.glob('worker-*.log')))}.log").open("wb") as log:
+        return subprocess.Popen([sys.executable, str(script)], env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -21,16 +21,9 @@ from support import Rabbit
 from dramatiq_reliable import events
 from dramatiq_reliable.errors import Unrecoverable
 from dramatiq_reliable.retries import ClassifiedRetries, RetryGaveUp, RetryScheduled, build_middleware
+from dramatiq_reliable.testing import wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def wait_for(condition: Callable[[], bool], *, timeout_s: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.01)
 
 
 @dataclass
@@ -103,7 +96,7 @@ def test_a_503_twice_then_success_runs_three_times_with_growing_delays(
 
     rig, actor = start(ClassifiedRetries(min_backoff=300, max_backoff=10_000, jitter="none"), body)
     actor.send()
-    wait_for(lambda: len(rig.runs) == 3 and rig.runs[2].ended > 0, what="three runs")
+    wait_for(lambda: len(rig.runs) == 3 and rig.runs[2].ended > 0, timeout_ms=15_000, message="three runs")
 
     assert [(e.attempt, e.reason, e.delay_ms) for e in rig.scheduled()] == [(1, "http_503", 300), (2, "http_503", 600)]
     first_gap = rig.runs[1].started - rig.runs[0].ended
@@ -119,7 +112,7 @@ def test_a_404_runs_once_and_is_dead_lettered(start: Callable[..., tuple[Rig, An
     """A real 404 is not retried: one run, then the message is in the .XQ queue."""
     rig, actor = start(ClassifiedRetries(min_backoff=100), lambda attempt: http(404), max_retries=10)
     actor.send()
-    wait_for(lambda: rig.dead_lettered() == 1, what="the message in .XQ")
+    wait_for(lambda: rig.dead_lettered() == 1, timeout_ms=15_000, message="the message in .XQ")
 
     assert len(rig.runs) == 1
     assert rig.scheduled() == []
@@ -137,7 +130,7 @@ def test_a_429_with_retry_after_is_not_retried_before_it(
 
     rig, actor = start(ClassifiedRetries(min_backoff=100, jitter="none"), body)
     actor.send()
-    wait_for(lambda: len(rig.runs) == 2, what="the retry")
+    wait_for(lambda: len(rig.runs) == 2, timeout_ms=15_000, message="the retry")
 
     [scheduled] = rig.scheduled()
     assert (scheduled.reason, scheduled.delay_ms) == ("http_429", 2000)
@@ -152,7 +145,7 @@ def test_unrecoverable_is_never_retried(start: Callable[..., tuple[Rig, Any]]) -
 
     rig, actor = start(ClassifiedRetries(min_backoff=100), body, max_retries=10)
     actor.send()
-    wait_for(lambda: rig.dead_lettered() == 1, what="the message in .XQ")
+    wait_for(lambda: rig.dead_lettered() == 1, timeout_ms=15_000, message="the message in .XQ")
 
     assert len(rig.runs) == 1
     assert [(e.outcome, e.reason) for e in rig.gave_up()] == [("fail", "unrecoverable")]
@@ -162,7 +155,7 @@ def test_max_retries_stops_retrying(start: Callable[..., tuple[Rig, Any]], http:
     """With max_retries=2 an endless 503 runs three times, then is dead-lettered as exhausted."""
     rig, actor = start(ClassifiedRetries(min_backoff=100, jitter="none"), lambda attempt: http(503), max_retries=2)
     actor.send()
-    wait_for(lambda: rig.dead_lettered() == 1, what="the message in .XQ")
+    wait_for(lambda: rig.dead_lettered() == 1, timeout_ms=15_000, message="the message in .XQ")
 
     assert len(rig.runs) == 3
     assert [e.delay_ms for e in rig.scheduled()] == [100, 200]
@@ -176,7 +169,7 @@ def test_the_age_deadline_stops_retrying_with_retries_left(
     retries = ClassifiedRetries(min_backoff=500, jitter="none", max_retries=None, retry_deadline_ms=2000)
     rig, actor = start(retries, lambda attempt: http(503))
     message = actor.send()
-    wait_for(lambda: rig.dead_lettered() == 1, what="the message in .XQ")
+    wait_for(lambda: rig.dead_lettered() == 1, timeout_ms=15_000, message="the message in .XQ")
 
     deadline = message.message_timestamp / 1000 + 2.0
     assert len(rig.runs) >= 2

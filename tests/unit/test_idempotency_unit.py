@@ -17,7 +17,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from psycopg_pool import ConnectionPool
 
-from dramatiq_reliable import events
 from dramatiq_reliable.errors import ConfigurationError, DatabaseUnavailable, ReliableError
 from dramatiq_reliable.idempotency import (
     ActorOptionError,
@@ -45,14 +44,6 @@ def broker() -> Iterator[StubBroker]:
     yield stub
     stub.flush_all()
     stub.close()
-
-
-@pytest.fixture
-def seen() -> Iterator[list[events.Event]]:
-    received: list[events.Event] = []
-    events.subscribe(received.append)
-    yield received
-    events.unsubscribe(received.append)
 
 
 def _middleware(broker: StubBroker) -> Idempotency:

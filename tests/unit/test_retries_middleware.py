@@ -41,16 +41,6 @@ from dramatiq_reliable.retries import (
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def seen() -> Iterator[list[events.Event]]:
-    received: list[events.Event] = []
-    events.subscribe(received.append)
-    try:
-        yield received
-    finally:
-        events.unsubscribe(received.append)
-
-
 def make_broker(**retries: Any) -> StubBroker:
     broker = StubBroker(middleware=build_middleware(retries=ClassifiedRetries(**retries)), fail_fast_default=False)
     broker.emit_after("process_boot")
