@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +18,25 @@ import pytest
 from dramatiq_reliable.embedded import EmbeddedPostgres
 
 _RABBITMQ_SKIP = "RabbitMQ is not reachable"
+_embedded_url: str | None = None
 
 
 def _start() -> None:
+    global _embedded_url
     if os.environ.get("DATABASE_URL"):
         return
     server = EmbeddedPostgres(data_dir=Path(__file__).resolve().parents[1] / ".dramatiq-reliable" / "postgres-tests")
-    os.environ["DATABASE_URL"] = server.start()
+    os.environ["DATABASE_URL"] = _embedded_url = server.start()
     atexit.register(server.stop)
-    print(f"DATABASE_URL is not set: tests use an embedded Postgres at {os.environ['DATABASE_URL']}", file=sys.stderr)
 
 
 _start()
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    """One line for every test skipped for want of a RabbitMQ, naming the variable to set."""
+    """One line naming the embedded Postgres if one ran, and one for the tests skipped for want of a RabbitMQ."""
+    if _embedded_url is not None:
+        terminalreporter.write_line(f"DATABASE_URL is not set: the tests ran on an embedded Postgres at {_embedded_url}")
     skipped = [
         report
         for report in terminalreporter.stats.get("skipped", [])
