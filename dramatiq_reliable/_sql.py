@@ -18,7 +18,7 @@ from psycopg.rows import tuple_row
 
 from .errors import ConfigurationError
 
-__all__ = ["DEFAULT_SCHEMA", "query", "read", "tuples", "validate_schema"]
+__all__ = ["DEFAULT_SCHEMA", "query", "read", "set_local_timeouts", "tuples", "validate_schema"]
 
 DEFAULT_SCHEMA = "dramatiq_reliable"
 
@@ -60,14 +60,29 @@ def read(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=512)
-def query(name: str, schema: str) -> sql.Composed:
-    """``sql/<name>.sql`` with ``{schema}`` bound to the quoted schema identifier."""
-    return compose(read(name), schema)
+def query(name: str, schema: str, **identifiers: str) -> sql.Composed:
+    """``sql/<name>.sql`` with ``{schema}`` (and any other ``{name}``) bound to quoted identifiers."""
+    return compose(read(name), schema, **identifiers)
 
 
-def compose(text: str, schema: str) -> sql.Composed:
-    """Bind ``{schema}`` in ``text``; literal braces are not used in our SQL files."""
+def compose(text: str, schema: str, **identifiers: str) -> sql.Composed:
+    """Bind ``{schema}`` and ``identifiers`` in ``text``; literal braces are not used in our SQL files."""
+    known = {"schema", *identifiers}
     names = set(_PLACEHOLDER.findall(text))
-    if names - {"schema"}:
-        raise ValueError(f"unknown placeholders {sorted(names - {'schema'})!r} in SQL text")
-    return sql.SQL(text).format(schema=sql.Identifier(schema))
+    if names - known:
+        raise ValueError(f"unknown placeholders {sorted(names - known)!r} in SQL text")
+    values = {key: sql.Identifier(value) for key, value in identifiers.items()}
+    return sql.SQL(text).format(schema=sql.Identifier(schema), **values)
+
+
+def set_local_timeouts(
+    conn: psycopg.Connection[Any], *, statement_timeout_ms: int, idle_in_transaction_timeout_ms: int = 0
+) -> None:
+    """Bound our own transaction on ``conn`` server-side (``SET LOCAL``; 0 leaves a bound off).
+
+    Never call it on the app's transaction: the bounds would cut the app's own statements.
+    """
+    conn.execute(
+        query("local_timeouts", DEFAULT_SCHEMA),
+        {"statement_timeout": str(int(statement_timeout_ms)), "idle_timeout": str(int(idle_in_transaction_timeout_ms))},
+    )

@@ -71,14 +71,22 @@ def format_age(seconds: float | None, *, suffix: str = "") -> str:
 # unencoded space in the password), and password=... in a libpq key/value string.  The driver
 # echoes a bad connection string in its error text, so every message we print goes through this.
 _URL_PASSWORD = re.compile(
-    r"(?P<user>(?:://|^|(?<=[\s'\"(=]))[^\s:/@'\"]+):(?!//)(?P<password>[^'\"]*?)@(?=[\w.\-\[\]%]+)"
+    # After "//" (a scheme, or a scheme missing its colon) the password runs to the last "@"
+    # before the host and may hold unencoded spaces.
+    r"(?P<user>//[^\s:/@'\"]*):(?P<password>[^'\"]*?)@(?=[\w.\-\[\]%]+)"
+    # Without a scheme, user:password@host where the password holds no colon: an unencoded
+    # space is still masked, but prose ("note: see a:b@c") is not swallowed from its first colon.
+    r"|(?P<bare>(?:^|(?<=[\s'\"(=]))[^\s:/@'\"]+):(?!//)[^'\"@:]*?@(?=[\w.\-\[\]%]+)"
 )
+# libpq quotes only the offending part of a URL with an unencoded space: often the password.
+_SPACES_FOUND = re.compile(r'(?P<head>unexpected spaces found in )"[^"]*"')
 _KV_PASSWORD = re.compile(r"(?P<key>\bpassword\s*=\s*)(?P<value>'(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 
 
 def redact(text: str) -> str:
     """``text`` with every password of a connection string masked, for logs and error messages."""
-    text = _URL_PASSWORD.sub(lambda m: f"{m['user']}:***@", text)
+    text = _URL_PASSWORD.sub(lambda m: f"{m['user'] if m['user'] is not None else m['bare']}:***@", text)
+    text = _SPACES_FOUND.sub(lambda m: f'{m["head"]}"***"', text)
     return _KV_PASSWORD.sub(lambda m: f"{m['key']}***", text)
 
 

@@ -24,6 +24,34 @@ __all__ = ["Database", "DatabaseLike"]
 DatabaseLike = Union[str, "ConnectionPool[Any]", "Database"]
 
 
+#: libpq settings that bound every wait on a connection we open, unless the URL sets them:
+#: a connect gives up after 5 s, and a silent partition (no RST) is noticed within about 11 s,
+#: by TCP keepalives on an idle socket and tcp_user_timeout on unacknowledged data, instead of
+#: the kernel's many minutes.  Statement timeouts are not set here: the pool also serves the
+#: app's own transactions (broker.transaction(), jobs), which we never bound.
+CONNECTION_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 10_000,
+}
+
+
+def _bounded(url: str) -> dict[str, Any]:
+    """The defaults the URL does not set itself (the URL, or PG* variables, win)."""
+    import os
+
+    try:
+        given = set(psycopg.conninfo.conninfo_to_dict(url))
+    except psycopg.ProgrammingError:
+        given = set()  # a malformed URL fails at connect, with the driver's (redacted) reason
+    if "PGCONNECT_TIMEOUT" in os.environ:
+        given.add("connect_timeout")
+    return {key: value for key, value in CONNECTION_DEFAULTS.items() if key not in given}
+
+
 class Database:
     """Lazily opened connection pool.
 
@@ -57,7 +85,13 @@ class Database:
         self._lock = threading.Lock()
         self._opened = not self._owned
         self.pool: ConnectionPool[Any] = pool or ConnectionPool(
-            url or "", min_size=1, max_size=max_size, open=False, name="dramatiq-reliable", timeout=self._timeout_s
+            url or "",
+            kwargs=_bounded(url or ""),
+            min_size=1,
+            max_size=max_size,
+            open=False,
+            name="dramatiq-reliable",
+            timeout=self._timeout_s,
         )
 
     @classmethod

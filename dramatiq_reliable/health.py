@@ -40,11 +40,11 @@ from typing import Any
 
 import psycopg
 from dramatiq.common import dq_name, q_name, xq_name
-from psycopg import sql
 from psycopg.rows import tuple_row
 from psycopg_pool import PoolTimeout
 
 from . import _sql, schema
+from . import schema as _schema
 from ._util import check_ms, first_line, format_age, rabbitmq_error, redact
 from .database import Database
 from .errors import ConfigurationError, SchemaNotReady
@@ -422,7 +422,7 @@ def _read_postgres(
     """Fill in the outbox and dead-letter numbers; return whether the dead-letter table exists."""
     with conn.transaction():
         # SET LOCAL: the bound ends with this transaction, leaving a pooled connection as it was.
-        conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(statement_timeout_ms))))
+        _sql.set_local_timeouts(conn, statement_timeout_ms=int(statement_timeout_ms))
         _ensure_outbox(conn, schema)
         if discover_queues:
             for (queue_name,) in _sql.tuples(conn).execute(_sql.query("status_outbox_queues", schema)):
@@ -440,9 +440,7 @@ def _read_postgres(
             for queue_name, count in counts.items():
                 entry(queue_name)["retries_waiting"] = count
         _read_postgres_queues(conn, schema, entry)
-        table = sql.Identifier(schema, _DEAD_LETTERS_TABLE).as_string(conn)
-        row = _sql.tuples(conn).execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
-        exists = bool(row and row[0])
+        exists = _schema.table_exists(conn, schema, _DEAD_LETTERS_TABLE)
         if exists:
             for queue_name, count, newest_age_s in _sql.tuples(conn).execute(_sql.query("status_dead_letters", schema)):
                 if not discover_queues and not count:
@@ -462,9 +460,7 @@ def _read_postgres_queues(
     """PostgresBroker's queues, when the queue table exists: depth, delayed, dead and oldest age."""
     from .postgres import queue as postgres_queue
 
-    table = sql.Identifier(schema_name, "queue").as_string(conn)
-    row = _sql.tuples(conn).execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
-    if not (row and row[0]):
+    if not _schema.table_exists(conn, schema_name, "queue"):
         return
     for counts in postgres_queue.counts(conn, schema_name):
         values = entry(counts.queue_name)

@@ -110,8 +110,7 @@ def migrate(conninfo: str | psycopg.Connection[Any], *, schema: str = _sql.DEFAU
 def _migrate(conn: psycopg.Connection[Any], schema: str) -> list[int]:
     applied = []
     with conn.transaction():
-        # One lock per schema: concurrent migrators queue up here instead of racing on CREATE.
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"dramatiq_reliable.migrate:{schema}",))
+        conn.execute(_sql.query("schema_lock", schema), {"lock_name": f"dramatiq_reliable.migrate:{schema}"})
         conn.execute(_header(schema))
         version = _version(conn, schema) or 0
         for migration in migrations():
@@ -143,18 +142,17 @@ def ensure_ready(conn: psycopg.Connection[Any], *, schema: str, required: int, f
 
 
 def _version(conn: psycopg.Connection[Any], schema: str) -> int | None:
-    # to_regclass returns NULL for a missing table instead of raising, so the caller's
-    # transaction stays usable whatever state the schema is in.
-    name = sql.Identifier(schema, "migrations").as_string(conn)
-    row = _sql.tuples(conn).execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()
-    if not row or not row[0]:
+    if not table_exists(conn, schema, "migrations"):
         return None
-    row = (
-        _sql.tuples(conn)
-        .execute(sql.SQL("SELECT max(version) FROM {}").format(sql.Identifier(schema, "migrations")))
-        .fetchone()
-    )
+    row = _sql.tuples(conn).execute(_sql.query("schema_version", schema)).fetchone()
     return int(row[0]) if row and row[0] is not None else None
+
+
+def table_exists(conn: psycopg.Connection[Any], schema: str, table: str) -> bool:
+    """Whether ``schema.table`` exists; never aborts the caller's transaction (``to_regclass``)."""
+    name = sql.Identifier(schema, table).as_string(conn)
+    row = _sql.tuples(conn).execute(_sql.query("schema_table_exists", schema), {"table": name}).fetchone()
+    return bool(row and row[0])
 
 
 def _header(schema: str) -> sql.Composed:
@@ -162,6 +160,6 @@ def _header(schema: str) -> sql.Composed:
 
 
 def _record(schema: str, migration: Migration) -> sql.Composed:
-    return sql.SQL("INSERT INTO {}.migrations (version, name) VALUES ({}, {});").format(
-        sql.Identifier(schema), sql.Literal(migration.version), sql.Literal(migration.name)
+    return sql.SQL(_sql.read("schema_record")).format(
+        schema=sql.Identifier(schema), version=sql.Literal(migration.version), name=sql.Literal(migration.name)
     )

@@ -16,7 +16,7 @@ def register(
     subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
     parents: Sequence[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
-    """Add ``outbox stats`` and ``outbox purge``; ``parents`` supply ``--database-url`` and ``--schema``."""
+    """Add ``outbox stats``, ``outbox retry`` and ``outbox purge``; ``parents`` supply ``--database-url`` and ``--schema``."""
     parser = subparsers.add_parser(
         "outbox",
         help="inspect and maintain the outbox",
@@ -31,6 +31,15 @@ def register(
     )
     stats.add_argument("--json", action="store_true", help="print JSON for scripts")
     stats.set_defaults(handler=_stats)
+    retry = actions.add_parser(
+        "retry",
+        parents=list(parents),
+        help="relay failing rows again now",
+        description="Reset the attempts of every unpublished row that failed on its own, including rows the relay "
+        "stopped trying after max_attempts, so the next relay pass publishes them.",
+    )
+    retry.add_argument("--json", action="store_true", help="print JSON for scripts")
+    retry.set_defaults(handler=_retry)
     purge = actions.add_parser(
         "purge",
         parents=list(parents),
@@ -57,6 +66,18 @@ def _stats(args: argparse.Namespace) -> int:
     print(f"backlog  {output.count(backlog, 'row')} waiting for the relay")
     print(f"failing  {output.count(failing, 'row')} failed to publish on their own; retried with backoff")
     print(f"oldest   {output.age(oldest_s) if backlog else '-'}")
+    return ExitCode.OK
+
+
+def _retry(args: argparse.Namespace) -> int:
+    with connect(args) as conn:
+        schema.ensure_ready(conn, schema=args.schema, required=schema.OUTBOX_VERSION, feature="outbox")
+        with conn.transaction():
+            reset = conn.execute(_sql.query("outbox_retry", args.schema)).rowcount
+    if args.json:
+        output.print_json({"reset": reset})
+    else:
+        print(f"reset {output.count(reset, 'failing row')}; the relay publishes them on its next pass")
     return ExitCode.OK
 
 

@@ -204,7 +204,7 @@ class ProgressLog:
     def _backlog(self) -> str:
         try:
             with self.database.connection(timeout_ms=2000) as conn, conn.transaction():
-                conn.execute("SET LOCAL statement_timeout = 2000")
+                _sql.set_local_timeouts(conn, statement_timeout_ms=2000)
                 row = _sql.tuples(conn).execute(_sql.query("outbox_stats", self.schema)).fetchone()
         except Exception as error:  # the relay's own log says why Postgres is down
             return f"backlog unknown ({redact(first_line(error))})"

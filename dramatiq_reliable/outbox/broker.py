@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import datetime
 import logging
 import threading
 import time
@@ -25,6 +26,7 @@ from dramatiq.worker import ConsumerThread, WorkerThread
 from psycopg_pool import PoolTimeout
 
 from .. import _sql, schema
+from .._util import redact
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError, NotBound, OutboxWriteError, PayloadError, SchemaNotReady
 from .binding import bound_connection, bound_transaction
@@ -167,10 +169,18 @@ class OutboxBroker(RabbitmqBroker):
 
         if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int) or delay < 0):
             raise ConfigurationError(f"delay must be a non-negative int of milliseconds, got {delay!r}")
+        # Validate before any middleware sees the message: a bad payload has no side effect.
+        _validate_queue_name(message)
+        if delay is not None and current_millis() + delay > _MAX_ETA_MS:
+            raise PayloadError(
+                f"message {message.message_id!r} for actor {message.actor_name!r} has delay={delay!r}, which ends "
+                "after the year 9999; pass a delay in milliseconds (e.g. delay=3_600_000 for an hour)"
+            )
         canonical_queue_name = message.queue_name
         if delay is not None:
             message = message.copy(queue_name=dq_name(canonical_queue_name), options={"eta": current_millis() + delay})
-        # Validate before any middleware sees the message: a bad payload has no side effect.
+        _validate_eta(message)
+        _validate_idempotency_key(message)
         self._validate_priority(message)
         self._encode(message)
         # Registers the queue (no network) so a worker sharing this broker consumes it.
@@ -228,14 +238,14 @@ class OutboxBroker(RabbitmqBroker):
         return body
 
     def _insert(self, message: Message[Any], body: bytes) -> None:
-        params = (
-            message.message_id,
-            message.queue_name,
-            message.actor_name,
-            body,
-            message.options.get("broker_priority"),
-            message.options.get("eta"),
-        )
+        params = {
+            "message_id": message.message_id,
+            "queue_name": message.queue_name,
+            "actor_name": message.actor_name,
+            "body": body,
+            "priority": message.options.get("broker_priority"),
+            "eta_ms": message.options.get("eta"),
+        }
         conn = bound_connection()
         if conn is not None:
             self._execute(conn, params)
@@ -265,17 +275,17 @@ class OutboxBroker(RabbitmqBroker):
                 cause = error.__cause__ if isinstance(error, OutboxWriteError) else error
                 transient = isinstance(cause, (psycopg.OperationalError, PoolTimeout))
                 if not transient or (attempt >= 2 and time.monotonic() >= deadline):
-                    self._fail_current_message(params[0])
+                    self._fail_current_message(message.message_id)
                     if isinstance(error, OutboxWriteError):
                         raise
                     raise OutboxWriteError(
-                        f"could not write message {params[0]!r} to the outbox in schema {self.schema!r}: "
-                        f"{type(error).__name__}: {error}; the message was not sent, check the database connection"
+                        f"could not write message {params['message_id']!r} to the outbox in schema {self.schema!r}: "
+                        f"{type(error).__name__}: {redact(str(error))}; the message was not sent, check the database connection"
                     ) from error
                 if attempt >= 2:
                     logger.warning(
                         "outbox write of message %s failed (%s); retrying in %.2fs",
-                        params[0],
+                        params["message_id"],
                         type(cause).__name__,
                         delay,
                     )
@@ -296,7 +306,7 @@ class OutboxBroker(RabbitmqBroker):
                 processing.message_id,
             )
 
-    def _execute(self, conn: psycopg.Connection[Any], params: tuple[Any, ...]) -> None:
+    def _execute(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
         if not self._checked_schema:
             self._check_schema(conn)
         try:
@@ -308,8 +318,8 @@ class OutboxBroker(RabbitmqBroker):
             ) from error
         except psycopg.Error as error:
             raise OutboxWriteError(
-                f"could not write message {params[0]!r} to the outbox in schema {self.schema!r}: "
-                f"{type(error).__name__}: {error}; the message was not sent, check the database connection "
+                f"could not write message {params['message_id']!r} to the outbox in schema {self.schema!r}: "
+                f"{type(error).__name__}: {redact(str(error))}; the message was not sent, check the database connection "
                 "and retry the transaction"
             ) from error
 
@@ -319,10 +329,63 @@ class OutboxBroker(RabbitmqBroker):
                 schema.ensure_ready(conn, schema=self.schema, required=schema.OUTBOX_VERSION, feature="outbox")
             except psycopg.Error as error:
                 raise OutboxWriteError(
-                    f"could not check the outbox schema {self.schema!r}: {type(error).__name__}: {error}; "
+                    f"could not check the outbox schema {self.schema!r}: {type(error).__name__}: {redact(str(error))}; "
                     "check the database connection"
                 ) from error
             self._checked_schema = True
+
+
+# The last millisecond Python's datetime (and so every consumer of an eta) can represent.
+_MAX_ETA_MS = int(datetime.datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=datetime.timezone.utc).timestamp() * 1000)
+
+
+def _where(message: Message[Any]) -> str:
+    return f"message {message.message_id!r} for actor {message.actor_name!r}"
+
+
+def _validate_queue_name(message: Message[Any]) -> None:
+    # An empty routing key would make RabbitMQ declare a new server-named queue on every publish.
+    name = message.queue_name
+    if not isinstance(name, str) or not name.strip() or "\x00" in name:
+        raise PayloadError(
+            f"{_where(message)} has queue_name={name!r}; give the actor a queue name "
+            "(@dramatiq.actor(queue_name='default'))"
+        )
+
+
+def _validate_eta(message: Message[Any]) -> None:
+    eta = message.options.get("eta")
+    if eta is None:
+        return
+    if isinstance(eta, bool) or not isinstance(eta, int):
+        raise PayloadError(
+            f"{_where(message)} has eta={eta!r}; eta is a Unix timestamp in milliseconds (an int), "
+            "or pass delay= in milliseconds instead"
+        )
+    if not 0 <= eta <= _MAX_ETA_MS:
+        raise PayloadError(
+            f"{_where(message)} has eta={eta!r}, outside the years 1970 to 9999; eta is a Unix timestamp in "
+            "milliseconds (e.g. dramatiq.common.current_millis() + 60_000)"
+        )
+
+
+def _validate_idempotency_key(message: Message[Any]) -> None:
+    # Postgres text refuses NUL and lone surrogates: caught here, the caller sees why at send(),
+    # instead of a worker failing the key lookup later.
+    key = message.options.get("idempotency_key")
+    if key is None:
+        return
+    fix = "pass a non-empty string of readable characters, e.g. send_with_options(idempotency_key='order-42')"
+    if not isinstance(key, str) or not key:
+        raise PayloadError(f"{_where(message)} has idempotency_key={key!r}, not a non-empty string; {fix}")
+    if "\x00" in key:
+        raise PayloadError(f"{_where(message)} has an idempotency_key holding a NUL character; {fix}")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise PayloadError(
+            f"{_where(message)} has an idempotency_key that is not valid Unicode ({error.reason}); {fix}"
+        ) from None
 
 
 _processing: contextvars.ContextVar[MessageProxy | None] = contextvars.ContextVar(

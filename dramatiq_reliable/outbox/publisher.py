@@ -56,6 +56,11 @@ class PublishOutcome:
 
     confirmed: list[int] = dataclasses.field(default_factory=list)
     failed: dict[int, str] = dataclasses.field(default_factory=dict)
+    #: Set when the connection failed after RabbitMQ had already confirmed (or refused) some
+    #: publications: those outcomes are kept, every other key has none (publish it again).
+    unavailable: BrokerUnavailable | None = None
+    #: The failed keys whose confirm did not come within the timeout (a subset of ``failed``).
+    timed_out: set[int] = dataclasses.field(default_factory=set)
 
 
 class Publisher:
@@ -126,13 +131,20 @@ class Publisher:
         ``confirmed`` or ``failed`` of the returned outcome.
         """
         outcome = PublishOutcome()
-        ready = self._declare_queues(publications, outcome)
-        unresolved = self._publish_pipelined(ready, outcome) if ready else []
-        # A channel error refused some message of the batch without saying which: publish the
-        # unresolved ones one at a time so only the culprit is marked failed.
-        for publication in unresolved:
-            if self._publish_pipelined([publication], outcome):
-                outcome.failed[publication.key] = self._last_channel_error or "channel closed by RabbitMQ"
+        try:
+            ready = self._declare_queues(publications, outcome)
+            unresolved = self._publish_pipelined(ready, outcome) if ready else []
+            # A channel error refused some message of the batch without saying which: publish the
+            # unresolved ones one at a time so only the culprit is marked failed.
+            for publication in unresolved:
+                if self._publish_pipelined([publication], outcome):
+                    outcome.failed[publication.key] = self._last_channel_error or "channel closed by RabbitMQ"
+        except BrokerUnavailable as error:
+            if not outcome.confirmed and not outcome.failed:
+                raise
+            # What RabbitMQ confirmed before the connection went is confirmed: keep it, so the
+            # caller marks those rows instead of publishing them again.
+            outcome.unavailable = error
         return outcome
 
     _last_channel_error: str | None = None
@@ -143,6 +155,14 @@ class Publisher:
             by_queue.setdefault(q_name(publication.routing_key), []).append(publication)
         ready: list[Publication] = []
         for queue_name, members in by_queue.items():
+            if not queue_name.strip():
+                # RabbitMQ would name (and keep) a new queue for an empty name on every try.
+                for publication in members:
+                    outcome.failed[publication.key] = (
+                        f"the queue name {publication.routing_key!r} is empty; nothing was declared or published "
+                        "(fix or delete the row)"
+                    )
+                continue
             try:
                 self._declarer.declare_queue(queue_name, ensure=True)
             except Exception as error:
@@ -220,10 +240,23 @@ class Publisher:
             self._pending = {}
             return unresolved
         if self._pending:
+            # The confirms did not all come in time.  What was confirmed stays confirmed (the
+            # callbacks recorded it).  A fresh connection tells a slow link or an oversized
+            # message (RabbitMQ reachable: count an attempt against each unconfirmed row, so
+            # it backs off and the others go through) from an outage (nothing is counted).
+            unconfirmed = list(self._pending.values())
+            self._pending = {}
             self._reset()
-            raise BrokerUnavailable(
-                f"RabbitMQ did not confirm {len(self._pending)} messages in {self._confirm_timeout_s}s"
+            self._check_connection(
+                BrokerUnavailable(f"RabbitMQ did not confirm {len(unconfirmed)} messages in {self._confirm_timeout_s}s")
             )
+            for publication in unconfirmed:
+                outcome.timed_out.add(publication.key)
+                outcome.failed[publication.key] = (
+                    f"RabbitMQ did not confirm the message ({len(publication.body):,} bytes) within "
+                    f"confirm_timeout_ms={round(self._confirm_timeout_s * 1000)}: a slow link or an oversized "
+                    "message; retried with backoff (RabbitMQ may hold a copy)"
+                )
         return []
 
     def _wait(self, connection: Any, done: Any, *, deadline: float | None = None) -> None:

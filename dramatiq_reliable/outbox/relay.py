@@ -28,12 +28,12 @@ from typing import Any, ClassVar, Literal
 import psycopg
 from dramatiq.broker import Broker
 from dramatiq.middleware import Middleware
-from psycopg import sql
 from psycopg_pool import PoolTimeout
 
 from .. import _sql, events, schema
 from .._util import first_line as _first_line
 from .._util import is_int as _is_int
+from .._util import redact
 from ..database import Database, DatabaseLike
 from ..errors import BrokerUnavailable, ConfigurationError, SchemaNotReady
 from .broker import OutboxBroker
@@ -54,6 +54,8 @@ __all__ = [
 logger = logging.getLogger("dramatiq_reliable.outbox.relay")
 
 _MAX_ERROR_CHARS = 2000
+# max_attempts=None: a bound no row reaches (attempts is an integer column).
+_NO_LIMIT = 2**31 - 1
 _WAIT_SLICE_S = 0.2
 
 
@@ -130,10 +132,12 @@ class RelayPass:
 
     published: int
     failed: int
+    #: Rows claimed but left for the next pass by ``max_batch_bytes``.
+    deferred: int = 0
 
     @property
     def claimed(self) -> int:
-        return self.published + self.failed
+        return self.published + self.failed + self.deferred
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +155,9 @@ class RelayOptions:
     backoff_max_ms: int = 30_000
     row_backoff_max_ms: int = 300_000
     listen: bool = True
+    max_batch_bytes: int = 4 * 1024 * 1024
+    max_attempts: int | None = 25
+    statement_timeout_ms: int = 30_000
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -161,6 +168,8 @@ class RelayOptions:
             ("backoff_min_ms", 1),
             ("backoff_max_ms", self.backoff_min_ms if _is_int(self.backoff_min_ms) else 1),
             ("row_backoff_max_ms", 1),
+            ("max_batch_bytes", 1),
+            ("statement_timeout_ms", 1),
         ):
             value = getattr(self, name)
             if not _is_int(value) or value < minimum:
@@ -171,6 +180,8 @@ class RelayOptions:
             raise ConfigurationError(f"retention_ms must be a non-negative int or None, got {self.retention_ms!r}")
         if self.max_priority is not None and (not _is_int(self.max_priority) or not 1 <= self.max_priority <= 255):
             raise ConfigurationError(f"max_priority must be an int from 1 to 255 or None, got {self.max_priority!r}")
+        if self.max_attempts is not None and (not _is_int(self.max_attempts) or self.max_attempts < 1):
+            raise ConfigurationError(f"max_attempts must be an int >= 1 or None, got {self.max_attempts!r}")
         if not isinstance(self.listen, bool):
             raise ConfigurationError(f"listen must be True or False, got {self.listen!r}")
 
@@ -199,7 +210,17 @@ class Relay:
       retention_ms: how long published rows are kept; ``None`` keeps them until purged by hand.
       purge_interval_ms: how often the relay purges rows past retention.
       max_priority: as for ``RabbitmqBroker``; must match the workers' setting.
-      confirm_timeout_ms: how long to wait for RabbitMQ's confirms before giving up on a batch.
+      confirm_timeout_ms: how long to wait for RabbitMQ's confirms of a batch.  Rows confirmed
+        by then are marked; each unconfirmed row gets an attempt counted and backs off (unless
+        RabbitMQ turns out to be unreachable: then no row is charged).
+      max_batch_bytes: a pass stops adding rows once their bodies reach this many bytes (a
+        first row larger than that goes alone), so one large row cannot make the small rows
+        beside it wait for its transfer.
+      max_attempts: after this many failed attempts a row is no longer claimed (the poison
+        path): it stays in the outbox, counted as failing, with its ``last_error``, until
+        ``dramatiq-reliable outbox retry`` resets it.  ``None`` retries forever.
+      statement_timeout_ms: server-side bound of each of the relay's own statements; its
+        transaction is also closed by Postgres if it idles past ``confirm_timeout_ms`` plus this.
       backoff_min_ms / backoff_max_ms: the wait after RabbitMQ or Postgres was unreachable.
       row_backoff_max_ms: the longest wait of a row that keeps failing on its own.
       listen: wake on NOTIFY; ``False`` polls only.
@@ -259,54 +280,105 @@ class Relay:
     def drain_once(self) -> RelayPass:
         """Claim one batch, publish it, record the outcome and commit.
 
-        Raises ``BrokerUnavailable`` (rows untouched) when RabbitMQ cannot be reached, and
-        psycopg errors when Postgres cannot.
+        Raises ``BrokerUnavailable`` when RabbitMQ cannot be reached (after marking the rows it
+        confirmed before the connection went, if any; no attempt is counted against the rest),
+        and psycopg errors when Postgres cannot.
         """
         started = time.perf_counter()
+        options = self.options
         with self.database.connection() as conn, conn.transaction():
+            # Our own transaction: bound it server-side.  It idles while RabbitMQ confirms.
+            _sql.set_local_timeouts(
+                conn,
+                statement_timeout_ms=options.statement_timeout_ms,
+                idle_in_transaction_timeout_ms=2 * options.confirm_timeout_ms + options.statement_timeout_ms,
+            )
             if not self._checked_schema:
                 schema.ensure_ready(conn, schema=self.schema, required=schema.OUTBOX_VERSION, feature="outbox")
                 self._checked_schema = True
-            rows = _sql.tuples(conn).execute(_sql.query("outbox_claim", self.schema), (self.batch_size,)).fetchall()
-            if not rows:
+            claimed = (
+                _sql.tuples(conn)
+                .execute(
+                    _sql.query("outbox_claim", self.schema),
+                    {"batch_size": self.batch_size, "max_attempts": options.max_attempts or _NO_LIMIT},
+                )
+                .fetchall()
+            )
+            if not claimed:
                 return RelayPass(0, 0)
+            rows = _within_bytes(claimed, options.max_batch_bytes)
             publications = [
                 Publication(key=row[0], routing_key=row[2], body=bytes(row[3]), message_id=row[1], priority=row[4])
                 for row in rows
             ]
-            # Raises BrokerUnavailable: the transaction rolls back and no row is touched.
             publish_started_ns = time.time_ns()
+            # Raises BrokerUnavailable when nothing was confirmed: the transaction rolls back
+            # and no row is touched.
             outcome = self.publisher.publish(publications)
             publish_ended_ns = time.time_ns()
             if outcome.confirmed:
                 done = "outbox_delete_published" if self.on_published == "delete" else "outbox_mark_published"
-                conn.execute(_sql.query(done, self.schema), (outcome.confirmed,))
+                conn.execute(_sql.query(done, self.schema), {"ids": outcome.confirmed})
             if outcome.failed:
-                self._record_failures(conn, rows, outcome.failed)
+                self._record_failures(conn, rows, outcome.failed, outcome.timed_out)
         if outcome.confirmed:
             events.emit(OutboxPublished(len(outcome.confirmed), self.schema, (time.perf_counter() - started) * 1000))
         if events.has_listeners():
+            confirmed = set(outcome.confirmed)
             relayed = tuple(
-                RelayedMessage(p.message_id, p.routing_key, p.body, outcome.failed.get(p.key)) for p in publications
+                RelayedMessage(p.message_id, p.routing_key, p.body, outcome.failed.get(p.key))
+                for p in publications
+                if p.key in confirmed or p.key in outcome.failed
             )
             events.emit(OutboxBatchPublished(self.schema, publish_started_ns, publish_ended_ns, relayed))
-        return RelayPass(len(outcome.confirmed), len(outcome.failed))
+        if outcome.unavailable is not None:
+            raise outcome.unavailable
+        # Rows left out by max_batch_bytes count as claimed: drain() goes on to the next pass.
+        return RelayPass(len(outcome.confirmed), len(outcome.failed), len(claimed) - len(rows))
 
-    def _record_failures(self, conn: psycopg.Connection[Any], rows: list[Any], failed: dict[int, str]) -> None:
+    def _record_failures(
+        self, conn: psycopg.Connection[Any], rows: list[Any], failed: dict[int, str], timed_out: set[int]
+    ) -> None:
+        attempts: dict[int, int] = {}
+        # A row that outlasted the confirm timeout cost the relay that long: it waits at least
+        # as long before its next try, so the rows behind it get most of the relay's time.
+        confirm_s = self.options.confirm_timeout_ms / 1000
+        for ids, base_s in (
+            ([i for i in failed if i not in timed_out], self.backoff_min_s),
+            ([i for i in failed if i in timed_out], max(self.backoff_min_s, confirm_s)),
+        ):
+            if not ids:
+                continue
+            attempts.update(
+                _sql.tuples(conn)
+                .execute(
+                    _sql.query("outbox_record_failure", self.schema),
+                    {
+                        "ids": ids,
+                        "errors": [failed[i][:_MAX_ERROR_CHARS] for i in ids],
+                        "base_s": base_s,
+                        "max_s": max(self.row_backoff_max_s, base_s),
+                    },
+                )
+                .fetchall()
+            )
         ids = list(failed)
         errors = [failed[i][:_MAX_ERROR_CHARS] for i in ids]
-        attempts = dict(
-            _sql.tuples(conn)
-            .execute(
-                _sql.query("outbox_record_failure", self.schema),
-                {"ids": ids, "errors": errors, "base_s": self.backoff_min_s, "max_s": self.row_backoff_max_s},
-            )
-            .fetchall()
-        )
         by_id = {row[0]: row for row in rows}
         for row_id, error in zip(ids, errors, strict=True):
             row = by_id[row_id]
-            events.emit(OutboxRowFailed(row_id, row[1], row[2], attempts.get(row_id, 0), error))
+            count = attempts.get(row_id, 0)
+            events.emit(OutboxRowFailed(row_id, row[1], row[2], count, error))
+            if self.options.max_attempts is not None and count >= self.options.max_attempts:
+                logger.error(
+                    "outbox row %d (message %s, queue %r) failed %d times and is no longer relayed: %s; fix the "
+                    "cause, then run 'dramatiq-reliable outbox retry' (or delete the row)",
+                    row_id,
+                    row[1],
+                    row[2],
+                    count,
+                    error,
+                )
 
     def drain(self) -> int:
         """Run passes until the backlog is empty (or the relay is stopped); return rows published."""
@@ -371,7 +443,7 @@ class Relay:
                     logger.warning(
                         "outbox relay cannot reach Postgres (%s: %s); retrying in %.1fs",
                         type(error).__name__,
-                        _first_line(error),
+                        redact(_first_line(error)),
                         delay,
                     )
                     self._close_listener()
@@ -403,7 +475,7 @@ class Relay:
     def _open_listener(self) -> psycopg.Connection[Any]:
         conn = self.database.connect(autocommit=True)
         try:
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(f"{self.schema}.outbox")))
+            conn.execute(_sql.query("outbox_listen", self.schema, channel=f"{self.schema}.outbox"))
         except BaseException:
             conn.close()
             raise
@@ -430,6 +502,16 @@ class Relay:
             # Short slices keep stop() responsive; a notify ends the wait at once.
             for _ in self._listener.notifies(timeout=min(remaining, _WAIT_SLICE_S), stop_after=1):
                 return
+
+
+def _within_bytes(rows: list[Any], max_bytes: int) -> list[Any]:
+    """The leading rows whose bodies fit in ``max_bytes`` (always the first one)."""
+    total = 0
+    for index, row in enumerate(rows):
+        total += int(row[5])
+        if total > max_bytes and index > 0:
+            return rows[:index]
+    return rows
 
 
 def purge_published(database: DatabaseLike, *, schema: str, older_than_ms: int, batch_size: int = 5000) -> int:
@@ -487,6 +569,10 @@ class WorkerRelay(Middleware):
     def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
         if self.relay is not None and self._thread is not None:
             self.relay.stop()
-            self._thread.join(timeout=30)
+            # The batch in hand may wait out its confirms (twice: the one-by-one retry of a
+            # channel error) and a statement: past that bound, the uncommitted claim rolls back
+            # and a later pass publishes those rows again (at least once, never lost).
+            options = self.relay.options
+            self._thread.join(timeout=(2 * options.confirm_timeout_ms + options.statement_timeout_ms) / 1000 + 5)
             self.relay = None
             self._thread = None

@@ -1,1 +1,1 @@
-DELETE FROM {schema}.outbox WHERE id = ANY(%s)
+DELETE FROM {schema}.outbox WHERE id = ANY(%(ids)s)

@@ -1,2 +1,5 @@
 INSERT INTO {schema}.outbox (message_id, queue_name, actor_name, body, priority, eta)
-VALUES (%s, %s, %s, %s, %s, to_timestamp(%s::double precision / 1000))
+VALUES (
+    %(message_id)s, %(queue_name)s, %(actor_name)s, %(body)s, %(priority)s,
+    to_timestamp(%(eta_ms)s::double precision / 1000)
+)

@@ -1,1 +1,1 @@
-UPDATE {schema}.outbox SET published_at = now() WHERE id = ANY(%s)
+UPDATE {schema}.outbox SET published_at = now() WHERE id = ANY(%(ids)s)
