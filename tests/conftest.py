@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import dramatiq
-import embedded_postgres  # noqa: F401  (first: an embedded Postgres if DATABASE_URL is unset)
+import embedded_postgres  # (first: an embedded Postgres if DATABASE_URL is unset)
 import pika
 import psycopg
 import pytest
@@ -56,6 +56,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """One line naming the services that were missing and how to point the tests at them."""
+    if embedded_postgres.embedded_url is not None:
+        terminalreporter.write_line(
+            f"DATABASE_URL is not set: the tests ran on an embedded Postgres at {embedded_postgres.embedded_url}"
+        )
     if not _MISSING:
         return
     skipped = [r for r in terminalreporter.stats.get("skipped", []) if _SKIP_PREFIX in str(r.longrepr)]

@@ -164,6 +164,12 @@ def register(
         help="refuse jobs first sent longer ago than this (default 7d)",
     )
     replay.add_argument("--force", action="store_true", help="replay however old the job is")
+    replay.add_argument(
+        "--to",
+        choices=("outbox", "queue"),
+        default="outbox",
+        help="where replays go: the outbox (OutboxBroker, default) or the Postgres queues (PostgresBroker)",
+    )
     replay.set_defaults(handler=_replay)
 
     discard = actions.add_parser(
@@ -334,7 +340,7 @@ def _replay(args: argparse.Namespace) -> int:
     if target is None:
         return ExitCode.USAGE
     ids, where = target
-    with _store(args, replay_max_age_ms=args.max_age) as store:
+    with _store(args, replay_max_age_ms=args.max_age, replay_to=args.to) as store:
         if not ids:
             total, too_old = store.replay_preview(where=where, force=args.force)
             if total == 0:

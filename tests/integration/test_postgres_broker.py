@@ -436,3 +436,46 @@ def test_status_reads_depth_and_oldest_age_of_postgres_queues(
     numbers = health.queue(qname)
     assert (numbers.depth, numbers.delayed, numbers.xq) == (1, 1, 0)
     assert numbers.queue_oldest_age_s is not None and numbers.queue_oldest_age_s >= 0
+
+
+def test_the_cli_replays_dead_letters_onto_postgres_queues(
+    database_url: str, db_schema: str, qname: str, db: Any
+) -> None:
+    from dramatiq_reliable.cli import main
+
+    broker = make_broker(
+        database_url,
+        db_schema,
+        middleware=build_middleware(middleware=[DeadLetters()], retries=ClassifiedRetries(max_retries=0)),
+    )
+    try:
+
+        @dramatiq.actor(queue_name=qname, broker=broker)
+        def broken() -> None:
+            raise ValueError("bad")
+
+        worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=1)
+        worker.start()
+        try:
+            broken.send()
+            broker.join(qname, timeout=10_000)
+        finally:
+            worker.stop()
+        code = main(
+            [
+                "dead-letters",
+                "replay",
+                "--all",
+                "--yes",
+                "--to",
+                "queue",
+                "--schema",
+                db_schema,
+                "--database-url",
+                database_url,
+            ]
+        )
+        assert code == 0
+        assert [r[0] for r in rows(db, db_schema, qname)] == [qname]
+    finally:
+        broker.close()
