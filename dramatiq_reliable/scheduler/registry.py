@@ -110,11 +110,12 @@ def schedule(
             )
         actor_name = actor
     else:
-        actor_name = getattr(actor, "actor_name", None)
-        if not isinstance(actor_name, str):
+        found = getattr(actor, "actor_name", None)
+        if not isinstance(found, str):
             raise ConfigurationError(
                 f"schedule {name!r}: actor must be a Dramatiq actor or an actor name, got {type(actor).__name__!r}"
             )
+        actor_name = found
         queue_name = queue_name or actor.queue_name
     if not isinstance(queue_name, str) or not queue_name:
         raise ConfigurationError(f"schedule {name!r}: queue_name must be a non-empty string, got {queue_name!r}")
