@@ -223,6 +223,10 @@ class Scheduler:
             conn.execute(_sql.query("schedule_advance", self.schema), advance)
         return SchedulerPass(len(rows), fired, skipped)
 
+    def close(self) -> None:
+        """Close the pool this scheduler created from a URL (not a shared one)."""
+        self.database.close()
+
     def _check(self, conn: psycopg.Connection[Any]) -> None:
         if not self._checked:
             schema.ensure_ready(conn, schema=self.schema, required=schema.SCHEDULER_VERSION, feature="scheduler")

@@ -11,8 +11,8 @@ CREATE TABLE {schema}.schedules (
     -- IANA time zone the cron expression is read in
     tz                  text        NOT NULL DEFAULT 'UTC',
     args                jsonb       NOT NULL DEFAULT '[]',
-    kwargs              jsonb       NOT NULL DEFAULT '{}',
-    options             jsonb       NOT NULL DEFAULT '{}',
+    kwargs              jsonb       NOT NULL DEFAULT jsonb_build_object(),
+    options             jsonb       NOT NULL DEFAULT jsonb_build_object(),
     -- missed ticks: 'skip', 'once' or 'backfill'; overlap: 'skip', 'buffer' or 'allow'
     missed              text        NOT NULL,
     misfire_grace_ms    bigint      NOT NULL,
