@@ -30,6 +30,7 @@ from .errors import (
 from .idempotency import Idempotency, current_job, external_key, job_connection
 from .outbox import OutboxBroker, Relay, RelayOptions, WorkerRelay, bind
 from .retries import ClassifiedRetries, build_middleware, no_delays
+from .scheduler import Scheduler, schedule
 from .schema import migrate, migration_sql
 from .tracing import Tracing
 
@@ -59,6 +60,7 @@ __all__ = [
     "RelayOptions",
     "ReliableError",
     "ReplayResult",
+    "Scheduler",
     "SchemaNotReady",
     "Tracing",
     "Unrecoverable",
@@ -72,6 +74,7 @@ __all__ = [
     "migrate",
     "migration_sql",
     "no_delays",
+    "schedule",
 ]
 
 try:
