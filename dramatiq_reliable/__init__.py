@@ -32,6 +32,7 @@ from .idempotency import Idempotency, current_job, external_key, job_connection
 from .outbox import OutboxBroker, Relay, RelayOptions, WorkerRelay, bind
 from .postgres import PostgresBroker
 from .retries import ClassifiedRetries, build_middleware, no_delays
+from .scheduler import Scheduler, schedule
 from .schema import migrate, migration_sql
 from .tracing import Tracing
 
@@ -63,6 +64,7 @@ __all__ = [
     "RelayOptions",
     "ReliableError",
     "ReplayResult",
+    "Scheduler",
     "SchemaNotReady",
     "Tracing",
     "Unrecoverable",
@@ -76,6 +78,7 @@ __all__ = [
     "migrate",
     "migration_sql",
     "no_delays",
+    "schedule",
 ]
 
 try:

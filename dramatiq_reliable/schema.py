@@ -31,6 +31,7 @@ __all__ = [
     "LATEST_VERSION",
     "OUTBOX_VERSION",
     "QUEUE_VERSION",
+    "SCHEDULER_VERSION",
     "Migration",
     "current_version",
     "ensure_ready",
@@ -45,6 +46,8 @@ OUTBOX_VERSION = 1
 IDEMPOTENCY_VERSION = 2
 DEAD_LETTERS_VERSION = 3
 QUEUE_VERSION = 4
+# Schedules, their ticks, singleton leases and checkpoints.
+SCHEDULER_VERSION = 5
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 

@@ -1,0 +1,307 @@
+"""The scheduler loop: claims due schedules and, in one transaction, writes each tick's outbox row, its tick record and the next fire time.
+
+There is no leader.  Any number of loops (processes or threads) claim due rows with
+``FOR UPDATE SKIP LOCKED``; the tick's message (its id derived from schedule and fire time),
+the tick row and the advanced ``next_fire_at`` commit together or not at all, so a loop killed
+at any point loses and doubles nothing: the next loop finds the row still due, or already moved
+on.  The database clock decides what is due, so hosts with skewed clocks agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import random
+import threading
+import uuid
+from typing import Any, ClassVar
+
+import psycopg
+from dramatiq.message import Message
+from psycopg.rows import dict_row
+from psycopg_pool import PoolTimeout
+
+from .. import _sql, events, schema
+from .._util import first_line
+from ..database import Database, DatabaseLike
+from ..errors import ConfigurationError, SchemaNotReady
+from .policies import plan
+from .registry import Registry, default_registry
+from .spec import Schedule
+
+__all__ = ["ScheduleTickSkipped", "ScheduleTicksMissed", "Scheduler", "SchedulerPass", "tick_message_id"]
+
+logger = logging.getLogger("dramatiq_reliable.scheduler")
+
+_NAMESPACE = uuid.UUID("6b1f8f0e-2f0c-4c4e-9d6c-5d7e3c1a9b10")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleTickSkipped(events.Event):
+    """A tick was recorded as skipped (its previous run was still going)."""
+
+    name: ClassVar[str] = "schedule.tick_skipped"
+    schedule: str
+    fire_at: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleTicksMissed(events.Event):
+    """Ticks between ``first`` and ``last`` were missed (no scheduler ran) and dropped by the missed policy."""
+
+    name: ClassVar[str] = "schedule.ticks_missed"
+    level: ClassVar[int] = logging.WARNING
+    schedule: str
+    first: str
+    last: str
+    policy: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerPass:
+    """What one pass did: schedules claimed, ticks fired (messages written) and ticks skipped."""
+
+    claimed: int
+    fired: int
+    skipped: int
+
+
+def tick_message_id(schema_name: str, schedule_name: str, fire_at: dt.datetime) -> str:
+    """The message id of a tick: the same schedule and fire time always give the same id."""
+    stamp = fire_at.astimezone(dt.timezone.utc).isoformat()
+    return str(uuid.uuid5(_NAMESPACE, f"{schema_name}\x00{schedule_name}\x00{stamp}"))
+
+
+class Scheduler:
+    """Syncs the declared schedules and fires their ticks through the outbox.
+
+    Parameters:
+      database: where the schedules and the outbox live (a URL, a pool or a ``Database``).
+      schema: the Postgres schema of the tables.
+      registry: the schedules this process declares (default: those declared with ``schedule()``).
+      batch_size: schedules claimed per pass.
+      poll_interval_ms: the longest sleep between passes.
+
+    >>> scheduler = Scheduler(database="postgresql://app@localhost/app")   # doctest: +SKIP
+    >>> scheduler.sync(); scheduler.run()                                    # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        database: DatabaseLike,
+        schema: str = _sql.DEFAULT_SCHEMA,
+        registry: Registry | None = None,
+        batch_size: int = 500,
+        poll_interval_ms: int = 1000,
+    ) -> None:
+        for name, value in (("batch_size", batch_size), ("poll_interval_ms", poll_interval_ms)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
+        self.database = Database.of(database)
+        self.schema = _sql.validate_schema(schema)
+        self.registry = registry if registry is not None else default_registry
+        self.batch_size = batch_size
+        self.poll_interval_s = poll_interval_ms / 1000
+        self._stop = threading.Event()
+        self._checked = False
+
+    # -- sync ---------------------------------------------------------------------------------
+
+    def sync(self) -> tuple[list[str], list[str]]:
+        """Write the declared schedules to the table; disable the stored ones no longer declared.
+
+        Returns (changed, disabled) names.  A process that declares no schedule does not sync
+        (it has nothing to say), so a worker that imports none leaves the table alone.
+        """
+        declared = list(self.registry)
+        if not declared:
+            return [], []
+        changed: list[str] = []
+        with self.database.connection() as conn, conn.transaction():
+            self._check(conn)
+            # Syncs of one schema queue up here: concurrent start-ups never interleave upserts.
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"dramatiq_reliable.schedules:{self.schema}",))
+            now = _db_now(conn)
+            for item in declared:
+                params = {
+                    "name": item.name,
+                    **item.definition(),
+                    "definition_hash": item.definition_hash(),
+                    "next_fire_at": item.next_after(now),
+                }
+                row = _sql.tuples(conn).execute(_sql.query("schedule_sync", self.schema), params).fetchone()
+                if row:
+                    changed.append(str(row[0]))
+            disabled = [
+                str(r[0])
+                for r in _sql.tuples(conn)
+                .execute(_sql.query("schedule_disable", self.schema), {"names": [s.name for s in declared]})
+                .fetchall()
+            ]
+        if disabled:
+            logger.warning("schedules no longer declared in code were disabled: %s", ", ".join(disabled))
+        return changed, disabled
+
+    # -- one pass -----------------------------------------------------------------------------
+
+    def tick_once(self, *, now: dt.datetime | None = None) -> SchedulerPass:
+        """Claim due schedules and fire their ticks, all in one transaction.
+
+        ``now`` overrides the database clock (tests of missed ticks and DST).
+        """
+        with self.database.connection() as conn, conn.transaction():
+            self._check(conn)
+            moment = now if now is not None else _db_now(conn)
+            rows = (
+                conn.cursor(row_factory=dict_row)
+                .execute(_sql.query("schedule_claim", self.schema), {"now": moment, "batch_size": self.batch_size})
+                .fetchall()
+            )
+            if not rows:
+                return SchedulerPass(0, 0, 0)
+            fire: dict[str, list[Any]] = {
+                k: []
+                for k in (
+                    "names",
+                    "fire_ats",
+                    "message_ids",
+                    "states",
+                    "reasons",
+                    "queue_names",
+                    "actor_names",
+                    "bodies",
+                )
+            }
+            advance: dict[str, list[Any]] = {
+                k: [] for k in ("names", "next_fire_ats", "buffered_fire_ats", "last_fire_ats")
+            }
+            fired = skipped = 0
+            stamp_ms = int(moment.timestamp() * 1000)
+            for row in rows:
+                item = Schedule.from_row(row)
+                decision = plan(
+                    item,
+                    next_fire_at=row["next_fire_at"],
+                    buffered_fire_at=row["buffered_fire_at"],
+                    busy=bool(row["busy"]),
+                    now=moment,
+                )
+                for fire_at in decision.fire:
+                    message_id = tick_message_id(self.schema, item.name, fire_at)
+                    message: Message[Any] = Message(
+                        queue_name=item.queue_name,
+                        actor_name=item.actor_name,
+                        args=item.args,
+                        kwargs=item.kwargs,
+                        options={**item.options, "schedule": item.name, "schedule_fire_at": fire_at.isoformat()},
+                        message_id=message_id,
+                        message_timestamp=stamp_ms,
+                    )
+                    _append(fire, item, fire_at, message_id, "enqueued", None, message.encode())
+                    fired += 1
+                for fire_at, reason in decision.skipped:
+                    _append(
+                        fire, item, fire_at, tick_message_id(self.schema, item.name, fire_at), "skipped", reason, b""
+                    )
+                    skipped += 1
+                    events.emit(ScheduleTickSkipped(item.name, fire_at.isoformat(), reason))
+                if decision.missed_first is not None and decision.missed_last is not None:
+                    events.emit(
+                        ScheduleTicksMissed(
+                            item.name, decision.missed_first.isoformat(), decision.missed_last.isoformat(), item.missed
+                        )
+                    )
+                advance["names"].append(item.name)
+                advance["next_fire_ats"].append(decision.next_fire_at)
+                advance["buffered_fire_ats"].append(decision.buffered_fire_at)
+                advance["last_fire_ats"].append(decision.fire[-1] if decision.fire else None)
+            if fire["names"]:
+                conn.execute(_sql.query("schedule_fire", self.schema), fire)
+            conn.execute(_sql.query("schedule_advance", self.schema), advance)
+        return SchedulerPass(len(rows), fired, skipped)
+
+    def close(self) -> None:
+        """Close the pool this scheduler created from a URL (not a shared one)."""
+        self.database.close()
+
+    def _check(self, conn: psycopg.Connection[Any]) -> None:
+        if not self._checked:
+            schema.ensure_ready(conn, schema=self.schema, required=schema.SCHEDULER_VERSION, feature="scheduler")
+            self._checked = True
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the pass in hand; safe from signal handlers."""
+        self._stop.set()
+
+    def run(self, *, sync: bool = True) -> None:
+        """Sync (once), then fire due ticks until :meth:`stop`.  Outages are logged and waited out."""
+        failures = 0
+        synced = not sync
+        logger.info("scheduler started on schema %r", self.schema)
+        while not self._stop.is_set():
+            try:
+                if not synced:
+                    self.sync()
+                    synced = True
+                result = self.tick_once()
+                failures = 0
+                if result.claimed >= self.batch_size:
+                    continue
+                self._stop.wait(self._sleep_s())
+            except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout, SchemaNotReady) as error:
+                failures += 1
+                delay = min(30.0, 0.2 * 2 ** min(failures, 8)) * random.uniform(0.5, 1)
+                self._checked = False
+                logger.warning(
+                    "scheduler cannot fire ticks (%s: %s); retrying in %.1fs",
+                    type(error).__name__,
+                    first_line(error),
+                    delay,
+                )
+                self._stop.wait(delay)
+            except Exception:
+                failures += 1
+                delay = min(30.0, 0.2 * 2 ** min(failures, 8))
+                logger.exception("scheduler failed unexpectedly; retrying in %.1fs", delay)
+                self._stop.wait(delay)
+        logger.info("scheduler stopped")
+
+    def _sleep_s(self) -> float:
+        with self.database.connection() as conn:
+            row = _sql.tuples(conn).execute(_sql.query("schedule_next_due", self.schema)).fetchone()
+            conn.rollback()
+        if not row or row[0] is None:
+            return self.poll_interval_s
+        if row[1]:  # a buffered tick waits for a run to end: look again soon
+            return min(self.poll_interval_s, 0.5)
+        return max(0.0, min(self.poll_interval_s, int(row[0]) / 1000))
+
+
+def _append(
+    fire: dict[str, list[Any]],
+    item: Schedule,
+    fire_at: dt.datetime,
+    message_id: str,
+    state: str,
+    reason: str | None,
+    body: bytes,
+) -> None:
+    fire["names"].append(item.name)
+    fire["fire_ats"].append(fire_at)
+    fire["message_ids"].append(message_id)
+    fire["states"].append(state)
+    fire["reasons"].append(reason)
+    fire["queue_names"].append(item.queue_name)
+    fire["actor_names"].append(item.actor_name)
+    fire["bodies"].append(body)
+
+
+def _db_now(conn: psycopg.Connection[Any]) -> dt.datetime:
+    row = _sql.tuples(conn).execute("SELECT clock_timestamp()").fetchone()
+    assert row is not None
+    return row[0]  # type: ignore[no-any-return]
