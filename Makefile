@@ -31,7 +31,7 @@ $(VENV)/.docs-installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 docs: $(VENV)/.docs-installed
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: install
 	$(BIN)/python benchmarks/relay.py
