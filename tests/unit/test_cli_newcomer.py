@@ -1,6 +1,6 @@
 """Issue 13's CLI list, checked where a newcomer looks first (no server needed for these).
 
-Points that need a server are in tests/integration/test_cli_newcomer.py and test_cli.py.
+Points that need a server are in tests/integration/test_cli_newcomer_servers.py and test_cli.py.
 """
 
 from __future__ import annotations
