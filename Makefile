@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-.PHONY: install demo test test-alt lint typing bench clean
+.PHONY: install demo test test-alt lint typing docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -12,8 +12,14 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 
-demo: install
-	$(BIN)/python examples/orders.py
+# The demo needs the package alone (no dev tools); the stamp skips the install on later runs
+# until pyproject.toml changes.
+$(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+demo: $(VENV)/.demo-installed
+	$(BIN)/python examples/signup
 
 test: install
 	$(BIN)/ruff check dramatiq_reliable tests benchmarks examples
@@ -34,8 +40,15 @@ test-alt: install
 	rabbitmqctl -q set_permissions -p dr_alt guest '.*' '.*' '.*'
 	DATABASE_URL="$(ALT_DATABASE_URL)" RABBITMQ_URL="$(ALT_RABBITMQ_URL)" $(BIN)/pytest -q
 
+$(VENV)/.docs-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 bench: install
 	$(BIN)/python benchmarks/relay.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site

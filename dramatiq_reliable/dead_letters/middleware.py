@@ -60,8 +60,8 @@ class DeadLetters(Middleware):
     would skip the nack for a ``MiddlewareError``.
 
     **Where it goes** in the middleware list: anywhere before the retry middleware, which must
-    stay last; after ``Tracing``, so the trace context is in the stored options.  The order
-    ``Tracing → Dramatiq defaults → DeadLetters → Idempotency → ClassifiedRetries`` works.
+    stay last; after ``Tracing``, so the trace context is in the stored options (the whole
+    list: docs/middleware-order.md).
 
     Parameters:
       database: where to write (a URL, a pool or a ``Database``); by default the
@@ -74,9 +74,10 @@ class DeadLetters(Middleware):
         for the insert, so an outage delays a nack by at most about this long.
       max_traceback_chars: longer tracebacks keep their head and tail.
 
-    >>> broker = OutboxBroker(url=..., database=..., middleware=[   # doctest: +SKIP
-    ...     AgeLimit(), TimeLimit(), ShutdownNotifications(), Callbacks(), Pipelines(),
-    ...     DeadLetters(on_dead_letter=page_the_on_call), Retries()])
+    >>> broker = OutboxBroker(url=..., database=..., middleware=build_middleware(  # doctest: +SKIP
+    ...     middleware=[AgeLimit(), TimeLimit(), ShutdownNotifications(), Idempotency(),
+    ...                 DeadLetters(on_dead_letter=page_the_on_call)],
+    ...     retries=ClassifiedRetries()))
     """
 
     def __init__(
