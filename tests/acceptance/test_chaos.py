@@ -10,9 +10,11 @@ ledger last, as one JSON line.  A soak is the same test with other sizes, e.g.
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
+from chaos.ledger import DeadLetterRow, Order, tally
 from chaos.scenario import Run, Settings, execute
 
 pytestmark = [pytest.mark.integration, pytest.mark.acceptance, pytest.mark.chaos, pytest.mark.timeout(900)]
@@ -37,3 +39,35 @@ def test_chaos_loses_doubles_and_strands_nothing(
         f"phantom={ledger.counts['phantom']} stuck={ledger.counts['stuck']} "
         f"spurious_dead_letters={ledger.counts['spurious_dead_letters']}\n{ledger.line()}\n{fleet.logs()}"
     )
+
+
+def test_ledger_gives_each_order_one_verdict():
+    orders = [
+        Order(1, "m1", poison=False),  # done
+        Order(2, "m2", poison=False),  # doubled
+        Order(3, "m3", poison=True),  # dead
+        Order(4, "m4", poison=True),  # lost: only in .XQ
+        Order(5, "m5", poison=False),  # stuck: still in the outbox
+        Order(6, "m6", poison=False),  # lost: dead-lettered although retry-safe
+        Order(7, "m7", poison=False),  # lost: nowhere
+        Order(8, "m8", poison=False),  # done, with a spurious dead letter
+    ]
+    ledger = tally(
+        orders=orders,
+        effects={1: 1, 2: 2, 8: 1, 99: 1},  # 99 never committed: a phantom
+        dead_letters=[
+            DeadLetterRow("m3", "unrecoverable", 1, "dramatiq_reliable.Unrecoverable"),
+            DeadLetterRow("m6", "retries_exhausted", 1, "dramatiq_reliable.JobCommitFailed"),
+            DeadLetterRow("m8", "retries_exhausted", 1, "dramatiq_reliable.JobCommitFailed"),
+        ],
+        outbox_pending={"m5"},
+        queued=set(),
+        xq={"m4", "m6"},
+    )
+    counts = ledger.counts
+    assert (counts["done"], counts["dead"], counts["doubled"], counts["stuck"], counts["phantom"]) == (2, 1, 1, 1, 1)
+    assert (counts["lost"], counts["xq_only"], counts["dead_lettered"], counts["vanished"]) == (3, 1, 1, 1)
+    assert ledger.examples["spurious_dead_letters"] == [6, 8]
+    assert not ledger.ok
+    line = json.loads(ledger.line())
+    assert line["chaos_ledger"] == {"lost": 3, "doubled": 1, "phantom": 1, "stuck": 1}
