@@ -510,6 +510,10 @@ def execute(run: Run, conn: psycopg.Connection[Any], rabbit: Rabbit) -> tuple[Le
         }
         if conductor.error is not None:
             raise AssertionError(f"the chaos conductor failed: {conductor.error!r}") from conductor.error
+        # The caller's connection sat idle through the run, past RabbitMQ's heartbeat: renew it.
+        rabbit.close()
+        rabbit.connection = pika.BlockingConnection(pika.URLParameters(rabbit.url))
+        rabbit.channel = rabbit.connection.channel()
         ledger = collect(run, conn, rabbit, info)
     finally:
         if conductor is not None:
