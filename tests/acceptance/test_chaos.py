@@ -20,13 +20,6 @@ from chaos.scenario import Run, Settings, execute
 pytestmark = [pytest.mark.integration, pytest.mark.acceptance, pytest.mark.chaos, pytest.mark.timeout(900)]
 
 
-# Known to fail until the two issue-10 fixes are merged (an ambiguous COMMIT is dead-lettered at
-# once; a dead letter is written once, on a possibly stale pooled connection).  Remove this
-# marker when they are: the test must then pass, with every count 0.
-@pytest.mark.xfail(
-    reason="issue 10: JobCommitFailed dead-letters a retry-safe job; dead letters are not retried on a fresh connection",
-    strict=False,
-)
 def test_chaos_loses_doubles_and_strands_nothing(
     database_url, rabbitmq_url, db_schema, queue_name, db, rabbit, tmp_path
 ):

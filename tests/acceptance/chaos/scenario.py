@@ -516,10 +516,11 @@ def execute(run: Run, conn: psycopg.Connection[Any], rabbit: Rabbit) -> tuple[Le
         rabbit.channel = rabbit.connection.channel()
         ledger = collect(run, conn, rabbit, info)
     finally:
-        if conductor is not None:
-            conductor.stop()
-        fleet.close()
-        proxies.close()
-        producer.close()
-        watch.close()
+        # Each step on its own: a failure in one must never leave processes behind.
+        for step in (conductor.stop if conductor else None, fleet.close, proxies.close, producer.close, watch.close):
+            if step is not None:
+                try:
+                    step()
+                except Exception:
+                    logger.exception("chaos cleanup step %r failed", step)
     return ledger, fleet
