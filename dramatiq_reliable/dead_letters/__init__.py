@@ -48,6 +48,7 @@ from .records import (
     notify_channel,
 )
 from .store import DeadLetterStore
+from .xq import ImportResult, import_xq
 
 __all__ = [
     "DEFAULT_REPLAY_MAX_AGE_MS",
@@ -68,10 +69,12 @@ __all__ = [
     "DeadLettersDiscarded",
     "DeadLettersReplayed",
     "DiscardResult",
+    "ImportResult",
     "PurgeResult",
     "ReplayResult",
     "find_culprit",
     "fingerprint",
     "format_traceback",
+    "import_xq",
     "notify_channel",
 ]

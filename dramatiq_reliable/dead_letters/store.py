@@ -203,6 +203,13 @@ class DeadLetterStore:
             retry_decision=failure.retry_decision,
         )
 
+    def _import(self, failure: _Failure, *, after_id: int) -> int | None:
+        """Insert a dead letter moved from ``.XQ`` unless its death has a row; its id, or ``None``."""
+        with self._transaction(None) as conn:
+            params = {**failure.params(self.channel), "after_id": after_id}
+            row = _sql.tuples(conn).execute(self._query("dead_letters_import"), params).fetchone()
+        return int(row[0]) if row else None
+
     # -- reading -------------------------------------------------------------------------------
 
     def get(self, dead_letter_id: int) -> DeadLetter | None:
