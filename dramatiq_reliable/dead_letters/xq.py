@@ -26,7 +26,7 @@ from ..errors import ConfigurationError
 from .analysis import _describe_imported, _replayed_from
 from .store import DeadLetterStore
 
-__all__ = ["ImportResult", "import_xq"]
+__all__ = ["ImportResult", "import_xq", "peek_xq"]
 
 logger = logging.getLogger("dramatiq_reliable.dead_letters")
 
@@ -100,3 +100,40 @@ def import_xq(store: DeadLetterStore, *, parameters: Any, queues: Sequence[str])
         with contextlib.suppress(Exception):
             connection.close()
     return ImportResult(imported, already, unreadable)
+
+
+def peek_xq(parameters: Any, queue: str, *, limit: int) -> tuple[list[tuple[str, int]], int]:
+    """The deaths held in ``queue``'s ``.XQ`` without taking them: ``(message id, dead letter it
+    was replayed from)`` of up to ``limit`` messages, and how many bodies were unreadable.
+
+    Messages are fetched unacked and go back when the channel closes (RabbitMQ marks them
+    redelivered; nothing reads ``.XQ`` but this module, so nothing else sees the difference).
+    """
+    import pika
+    import pika.exceptions
+
+    keys: list[tuple[str, int]] = []
+    unreadable = 0
+    connection = pika.BlockingConnection(parameters)
+    try:
+        channel = connection.channel()
+        try:
+            count = channel.queue_declare(queue=xq_name(q_name(queue)), passive=True).method.message_count
+        except pika.exceptions.ChannelClosedByBroker as error:
+            if error.reply_code != 404:
+                raise
+            return keys, 0
+        for _ in range(min(count, limit)):
+            method, _properties, body = channel.basic_get(queue=xq_name(q_name(queue)), auto_ack=False)
+            if method is None:
+                break
+            try:
+                data = Message.decode(body).asdict()
+            except Exception:
+                unreadable += 1
+                continue
+            keys.append((str(data.get("message_id")), _replayed_from(data)))
+    finally:
+        with contextlib.suppress(Exception):
+            connection.close()  # unacked messages go back to .XQ
+    return keys, unreadable

@@ -63,6 +63,15 @@ def test_import_moves_what_only_the_xq_holds_once_and_acks_what_is_already_store
         channel.basic_publish(exchange="", routing_key=xq_name(queue_name), body=body)
     connection.close()
 
+    check = ["status", "--check", "--queue", queue_name, "--max-xq-unstored", "0", "--json"]
+    check += ["--database-url", database_url, "--schema", db_schema, "--rabbitmq-url", rabbitmq_url]
+    status = io.StringIO()
+    with contextlib.redirect_stdout(status), contextlib.redirect_stderr(io.StringIO()):
+        assert main(check) == ExitCode.CHECK_FAILED
+    [entry] = [item for item in json.loads(status.getvalue())["queues"] if item["queue"] == queue_name]
+    assert entry["xq"] == 4 and entry["xq_unstored"] == 3  # both copies of the lost one, and the unreadable body
+    assert rabbit.count(xq_name(queue_name)) == 4  # the check put back what it read
+
     code, result = _import(database_url, rabbitmq_url, db_schema, queue_name)
     assert code == ExitCode.REFUSED, result  # the unreadable body was left in .XQ
     assert result == {
@@ -77,6 +86,11 @@ def test_import_moves_what_only_the_xq_holds_once_and_acks_what_is_already_store
     assert (imported["error_type"], imported["error_message"]) == ("ValueError", "card declined")
     assert imported["message"]["args"] == [1] and imported["traceback"] == TRACEBACK
     assert rabbit.count(xq_name(queue_name)) == 1
+    status = io.StringIO()
+    with contextlib.redirect_stdout(status), contextlib.redirect_stderr(io.StringIO()):
+        main(check)
+    [entry] = [item for item in json.loads(status.getvalue())["queues"] if item["queue"] == queue_name]
+    assert entry["xq_unstored"] == 1
 
     # Re-running stores nothing twice.
     code, again = _import(database_url, rabbitmq_url, db_schema, queue_name)
