@@ -39,7 +39,7 @@ from ..dead_letters import (
     DEFAULT_RETENTION_MS,
     DeadLetter,
     DeadLetterFilter,
-    DeadLetterStore,
+    PostgresDeadLetterStore,
     import_xq,
 )
 from . import common, output
@@ -221,9 +221,9 @@ def register(
 
 
 @contextlib.contextmanager
-def _store(args: argparse.Namespace, **options: Any) -> Iterator[DeadLetterStore]:
+def _store(args: argparse.Namespace, **options: Any) -> Iterator[PostgresDeadLetterStore]:
     with open_database(args) as database:
-        yield DeadLetterStore(database=database, schema=args.schema, **options)
+        yield PostgresDeadLetterStore(database=database, schema=args.schema, **options)
 
 
 def _filter(args: argparse.Namespace) -> DeadLetterFilter:

@@ -25,8 +25,9 @@ Every new dead letter is announced with ``NOTIFY`` on the channel ``"<schema>.de
 ``fingerprint``) and passed to the ``on_dead_letter`` callable, so the person on call hears of it.
 """
 
-from .analysis import Culprit, find_culprit, fingerprint, format_traceback
+from .analysis import Culprit, Failure, find_culprit, fingerprint, format_traceback
 from .middleware import DeadLetters
+from .protocol import DeadLetterStore
 from .records import (
     DEFAULT_REPLAY_MAX_AGE_MS,
     DEFAULT_RETENTION_MS,
@@ -47,7 +48,7 @@ from .records import (
     ReplayResult,
     notify_channel,
 )
-from .store import DeadLetterStore
+from .store import PostgresDeadLetterStore
 from .xq import ImportResult, import_xq
 
 __all__ = [
@@ -69,7 +70,9 @@ __all__ = [
     "DeadLettersDiscarded",
     "DeadLettersReplayed",
     "DiscardResult",
+    "Failure",
     "ImportResult",
+    "PostgresDeadLetterStore",
     "PurgeResult",
     "ReplayResult",
     "find_culprit",

@@ -224,7 +224,10 @@ def _as_int(value: Any) -> int | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Failure:
+class Failure:
+    """What a store writes for one dead message: computed from it by the middleware (or from an
+    ``.XQ`` body by the import), so every store stores the same thing."""
+
     message_id: str
     queue_name: str
     actor_name: str
@@ -274,7 +277,7 @@ def _describe_failure(
     prior_retries: int | None,
     throws: Any,
     max_traceback_chars: int,
-) -> _Failure:
+) -> Failure:
     """Everything about a dead message that the worker knows and RabbitMQ's ``.XQ`` copy does not.
 
     ``ran``: the actor ran in this delivery; ``prior_retries``: ``options["retries"]`` as the
@@ -326,7 +329,7 @@ def _describe_failure(
     sent_ms = _as_int(replay_of.get("sent_at_ms")) if isinstance(replay_of, Mapping) else None
     if sent_ms is None:
         sent_ms = _as_int(data.get("message_timestamp")) or int(time.time() * 1000)
-    return _Failure(
+    return Failure(
         message_id=_clean_text(message_id),
         queue_name=_clean_text(queue_name),
         actor_name=_clean_text(actor_name),
@@ -403,7 +406,7 @@ def _isinstance(exception: BaseException, throws: Any) -> bool:
 _LAST_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<message>.*))?$")
 
 
-def _describe_imported(data: Mapping[str, Any], *, max_traceback_chars: int = 64 * 1024) -> _Failure:
+def _describe_imported(data: Mapping[str, Any], *, max_traceback_chars: int = 64 * 1024) -> Failure:
     """A dead letter from a message body found in RabbitMQ's ``.XQ`` queue: whatever it holds.
 
     The body is the message as last published, so its ``retries``, ``traceback`` (Dramatiq's
@@ -422,7 +425,7 @@ def _describe_imported(data: Mapping[str, Any], *, max_traceback_chars: int = 64
     message_json, exact = _json_text(data)
     replay_of = options.get("replay_of")
     sent_ms = _as_int(replay_of.get("sent_at_ms")) if isinstance(replay_of, Mapping) else None
-    return _Failure(
+    return Failure(
         message_id=_clean_text(str(data.get("message_id"))),
         queue_name=_clean_text(q_name(str(data.get("queue_name")))),
         actor_name=_clean_text(str(data.get("actor_name"))),

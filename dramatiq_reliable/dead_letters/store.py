@@ -23,7 +23,7 @@ from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError
 from ..outbox.binding import bound_connection
 from ..outbox.broker import OutboxBroker
-from .analysis import _clean_text, _Failure
+from .analysis import Failure, _clean_text
 from .connect import write_within
 from .records import (
     _DEFAULT_BATCH,
@@ -72,7 +72,7 @@ def _query(name: str, schema_name: str) -> sql.Composed:
     return sql.SQL(text).format(schema=sql.Identifier(schema_name), filter=sql.SQL(block.strip()))
 
 
-class DeadLetterStore:
+class PostgresDeadLetterStore:
     """Reads and maintains the ``dead_letters`` table: list, show, group, replay, discard, purge.
 
     Parameters:
@@ -112,12 +112,12 @@ class DeadLetterStore:
         self._ready = False
 
     @classmethod
-    def from_broker(cls, broker: OutboxBroker, **options: Any) -> DeadLetterStore:
+    def from_broker(cls, broker: OutboxBroker, **options: Any) -> PostgresDeadLetterStore:
         """A store on ``broker``'s pool and schema."""
         if not isinstance(broker, OutboxBroker):
             raise ConfigurationError(
-                f"DeadLetterStore.from_broker() needs an OutboxBroker, got {type(broker).__name__!r}; "
-                "build DeadLetterStore(database=...) instead"
+                f"PostgresDeadLetterStore.from_broker() needs an OutboxBroker, got {type(broker).__name__!r}; "
+                "build PostgresDeadLetterStore(database=...) instead"
             )
         options.setdefault("schema", broker.schema)
         return cls(database=broker.database, **options)
@@ -127,7 +127,7 @@ class DeadLetterStore:
         if self._owned:
             self.database.close()
 
-    def __enter__(self) -> DeadLetterStore:
+    def __enter__(self) -> PostgresDeadLetterStore:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -157,6 +157,11 @@ class DeadLetterStore:
             self._check_ready(pooled)
             yield pooled
 
+    def check_ready(self) -> None:
+        """Raise ``SchemaNotReady`` unless the dead-letter table exists (at worker boot)."""
+        with self.database.connection() as conn:
+            self._check_ready(conn)
+
     def _check_ready(self, conn: psycopg.Connection[Any]) -> None:
         if not self._ready:
             schema.ensure_ready(conn, schema=self.schema, required=schema.DEAD_LETTERS_VERSION, feature="dead letters")
@@ -167,7 +172,9 @@ class DeadLetterStore:
 
     # -- capture -------------------------------------------------------------------------------
 
-    def _store(self, failure: _Failure, *, timeout_ms: int) -> DeadLetter:
+    def save(self, failure: Failure, *, timeout_ms: int) -> DeadLetter:
+        """Write (or refresh) the dead letter of ``failure``; see :func:`.connect.write_within`."""
+
         def insert(conn: psycopg.Connection[Any]) -> tuple[Any, ...] | None:
             self._check_ready(conn)
             return (
@@ -203,7 +210,7 @@ class DeadLetterStore:
             retry_decision=failure.retry_decision,
         )
 
-    def _import(self, failure: _Failure, *, after_id: int) -> int | None:
+    def save_imported(self, failure: Failure, *, after_id: int) -> int | None:
         """Insert a dead letter moved from ``.XQ`` unless its death has a row; its id, or ``None``."""
         with self._transaction(None) as conn:
             params = {**failure.params(self.channel), "after_id": after_id}

@@ -24,7 +24,7 @@ from dramatiq.message import Message
 
 from ..errors import ConfigurationError
 from .analysis import _describe_imported, _replayed_from
-from .store import DeadLetterStore
+from .protocol import DeadLetterStore
 
 __all__ = ["ImportResult", "import_xq", "peek_xq"]
 
@@ -86,7 +86,7 @@ def import_xq(store: DeadLetterStore, *, parameters: Any, queues: Sequence[str])
                         # Held unacked until the channel closes, then back in .XQ: not fetched again.
                         unreadable[name] += 1
                         continue
-                    stored_id = store._import(_describe_imported(data), after_id=_replayed_from(data))
+                    stored_id = store.save_imported(_describe_imported(data), after_id=_replayed_from(data))
                     if stored_id is None:
                         already[name] += 1
                     else:

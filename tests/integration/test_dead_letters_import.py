@@ -17,7 +17,7 @@ from psycopg import sql
 
 from dramatiq_reliable import OutboxBroker
 from dramatiq_reliable.cli import ExitCode, main
-from dramatiq_reliable.dead_letters import DeadLetters, DeadLetterStore
+from dramatiq_reliable.dead_letters import DeadLetters, PostgresDeadLetterStore
 
 pytestmark = pytest.mark.integration
 
@@ -108,7 +108,7 @@ def test_a_replayed_message_that_died_again_without_a_row_is_imported_as_a_new_d
     proxy.fail()
     stored = DeadLetters().capture(broker, proxy)
     assert stored is not None
-    assert DeadLetterStore.from_broker(broker).replay(ids=[stored.id]).replayed == 1
+    assert PostgresDeadLetterStore.from_broker(broker).replay(ids=[stored.id]).replayed == 1
     again = Message(**{**first.asdict(), "args": (1,), "options": {"replay_of": {"dead_letter_id": stored.id}}})
     connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
     connection.channel().basic_publish(exchange="", routing_key=xq_name(queue_name), body=again.encode())
