@@ -26,6 +26,7 @@ from .errors import (
     IdempotencyConflict,
     IdempotencyKeyError,
     JobCommitFailed,
+    MiddlewareFailed,
     NoCurrentJob,
     NotBound,
     OutboxWriteError,
@@ -36,6 +37,7 @@ from .errors import (
 )
 from .idempotency import Idempotency, current_job, external_key, job_connection
 from .outbox import OutboxBroker, Relay, RelayOptions, WorkerRelay, bind
+from .postgres import PostgresBroker
 from .retries import ClassifiedRetries, build_middleware, no_delays
 from .schema import migrate, migration_sql
 from .tracing import Tracing
@@ -57,11 +59,13 @@ __all__ = [
     "IdempotencyConflict",
     "IdempotencyKeyError",
     "JobCommitFailed",
+    "MiddlewareFailed",
     "NoCurrentJob",
     "NotBound",
     "OutboxBroker",
     "OutboxWriteError",
     "PayloadError",
+    "PostgresBroker",
     "PostgresDeadLetterStore",
     "Relay",
     "RelayOptions",

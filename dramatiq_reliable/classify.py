@@ -47,6 +47,7 @@ __all__ = [
     "classify",
     "exception_chain",
     "http_status_of",
+    "is_connection_failure",
     "parse_retry_after",
     "retry_after_ms_of",
     "rules_from",
@@ -258,6 +259,22 @@ def sqlstate_of(exception: BaseException) -> str | None:
         if isinstance(value, str) and len(value) == 5 and value.isalnum():
             return value.upper()
     return None
+
+
+def is_connection_failure(exception: BaseException) -> bool:
+    """Whether a database error says the connection failed rather than the statement.
+
+    True for a driver ``OperationalError`` with no SQLSTATE (the server never answered: refused,
+    reset, closed) or with one of class ``08`` (connection exception) or ``57P`` (the server is
+    shutting down or restarting).  A statement that fails this way may or may not have taken
+    effect on the server: a ``COMMIT`` so failed has an unknown outcome, a statement that opened
+    a transaction can be retried on a fresh connection.  Only this exception is examined.
+    """
+    keys = _mro_keys(exception)
+    if ("psycopg", "OperationalError") not in keys and ("psycopg2", "OperationalError") not in keys:
+        return False
+    state = sqlstate_of(exception)
+    return state is None or state.startswith(("08", "57P"))
 
 
 def _header(headers: Any, name: str) -> Any:

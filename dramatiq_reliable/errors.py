@@ -13,6 +13,7 @@ Every error here says what went wrong and ends with the fix, and every one is a
           ├── OutboxWriteError          the outbox insert failed; the message was not stored
           ├── BrokerUnavailable         RabbitMQ unreachable while publishing; nothing was marked sent
           ├── DatabaseUnavailable       (also MiddlewareError) Postgres unreachable in a before-hook
+          ├── MiddlewareFailed          (also MiddlewareError) an unexpected error in a before-hook of ours
           ├── Unrecoverable             raised by an actor: never retried, dead-lettered at once
           ├── IdempotencyKeyError       (also SkipMessage) a job key that cannot be computed
           ├── IdempotencyConflict       (also SkipMessage) a key reused with other arguments
@@ -44,6 +45,7 @@ __all__ = [
     "IdempotencyConflict",
     "IdempotencyKeyError",
     "JobCommitFailed",
+    "MiddlewareFailed",
     "NoCurrentJob",
     "NotBound",
     "OutboxWriteError",
@@ -123,6 +125,19 @@ class DatabaseUnavailable(ReliableError, MiddlewareError):
 
     A ``MiddlewareError`` is the only kind of exception Dramatiq lets out of a before-hook,
     so raising this one is what keeps the actor from running: the middleware fails closed.
+    """
+
+    __module__ = _PUBLIC_MODULE
+
+
+class MiddlewareFailed(ReliableError, MiddlewareError):
+    """One of our before-hooks hit an error it did not expect; the actor did not run.
+
+    Dramatiq logs and swallows anything but a ``MiddlewareError`` raised by a before-hook and
+    then runs the actor anyway, unprotected (a duplicate would run twice).  Our hooks turn an
+    unexpected error into this one instead, so the message fails closed: it is retried like a
+    failed job (and dead-lettered when the retries run out), with the original error as
+    ``__cause__``.
     """
 
     __module__ = _PUBLIC_MODULE

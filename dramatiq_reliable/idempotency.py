@@ -42,33 +42,47 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any, ClassVar, Literal, NoReturn, cast
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, Literal, NoReturn, TypeVar, cast
 
 import dramatiq
 import psycopg
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.errors import ActorNotFound
 from dramatiq.message import Message
-from dramatiq.middleware import Callbacks, Middleware, Pipelines, SkipMessage
+from dramatiq.middleware import Callbacks, Middleware, MiddlewareError, Pipelines, SkipMessage
 from dramatiq.worker import ConsumerThread
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import _sql, events
 from ._util import first_line as _first_line
+from ._util import type_name
+from .classify import Decision, backoff_ms, is_connection_failure
 from .database import Database, DatabaseLike
 from .errors import (
     ActorOptionError,
+    CommitOutcomeUnknown,
     ConfigurationError,
     DatabaseUnavailable,
     IdempotencyConflict,
     IdempotencyKeyError,
     JobCommitFailed,
+    MiddlewareFailed,
     NoCurrentJob,
     SchemaNotReady,
 )
 from .outbox.binding import bind
 from .outbox.broker import OutboxBroker
+from .postgres.broker import PostgresBroker
+from .retries import (
+    RETRY_DECISION_KEY,
+    ClassifiedRetries,
+    RetryGaveUp,
+    RetryScheduled,
+    decision_record,
+    delays_disabled,
+    retry_event,
+)
 from .schema import IDEMPOTENCY_VERSION, ensure_ready
 
 __all__ = [
@@ -103,7 +117,19 @@ MODES: tuple[Mode, ...] = ("transactional", "record", "off")
 #: Keys past this many UTF-8 bytes are refused: they must fit a btree index entry with room to spare.
 MAX_KEY_BYTES = 1000
 DEFAULT_RETENTION_MS = 7 * 86_400_000
+#: Retries of a job whose COMMIT had an unknown outcome, apart from its ``max_retries``.
+DEFAULT_UNKNOWN_OUTCOME_RETRIES = 10
+#: The first of those retries waits this long, doubling (with jitter) up to a minute.
+DEFAULT_UNKNOWN_OUTCOME_BACKOFF_MS = 1000
+_MAX_UNKNOWN_OUTCOME_BACKOFF_MS = 60_000
+#: The message option counting those retries.
+UNKNOWN_OUTCOME_RETRIES_KEY = "unknown_outcome_retries"
 _OPTIONS = frozenset({"idempotency", "idempotency_key", "idempotency_retention_ms"})
+# Pauses between tries on fresh connections: a reset socket fails in microseconds, so the
+# first retry is quick; a server that is restarting gets up to a second between tries.
+_FIRST_PAUSE_S = 0.05
+_MAX_PAUSE_S = 1.0
+_T = TypeVar("_T")
 
 
 # -- events -------------------------------------------------------------------------------------
@@ -159,7 +185,7 @@ class IdempotencyKeyInvalid(events.Event):
 
 @dataclasses.dataclass(frozen=True)
 class IdempotencyCommitFailed(events.Event):
-    """The actor returned but its transaction did not commit; the message was failed, not acked."""
+    """The actor returned but its transaction did not commit; the message was not acked as done."""
 
     name: ClassVar[str] = "idempotency.commit_failed"
     level: ClassVar[int] = logging.ERROR
@@ -167,6 +193,9 @@ class IdempotencyCommitFailed(events.Event):
     message_id: str
     key: str
     error: str
+    #: ``"unknown"``: the connection broke during COMMIT (the message is retried apart from its
+    #: budget); ``"failed"``: Postgres refused the commit (the retry middleware decides).
+    outcome: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +218,10 @@ class IdempotencyKeysPurged(events.Event):
     count: int
     schema: str
     duration_ms: float
+
+
+class _Swallowed(psycopg.errors.InFailedSqlTransaction):
+    """The actor caught a database error inside the job's transaction, so it cannot commit."""
 
 
 # -- the job ------------------------------------------------------------------------------------
@@ -282,8 +315,13 @@ _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=rep
 
 
 def payload_hash(args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]) -> bytes:
-    """sha256 of the canonical JSON of the arguments (keyword order does not matter)."""
-    return hashlib.sha256(_CANONICAL.encode([list(args), kwargs]).encode()).digest()
+    """sha256 of the canonical JSON of the arguments (keyword order does not matter).
+
+    An argument may hold a lone surrogate (JSON carries ``"\\ud800"`` escaped, so a message can):
+    ``surrogatepass`` hashes it instead of raising, and leaves the bytes of every other string,
+    and so every hash stored by earlier versions, unchanged.
+    """
+    return hashlib.sha256(_CANONICAL.encode([list(args), kwargs]).encode("utf-8", "surrogatepass")).digest()
 
 
 # -- the middleware -----------------------------------------------------------------------------
@@ -308,8 +346,18 @@ class Idempotency(Middleware):
       schema: the schema of the tables; default the broker's (or ``dramatiq_reliable``).
       default_mode: the mode of actors that do not choose one.
       retention_ms: how long a key dedupes; :func:`purge_expired` reclaims expired rows.
-      connection_timeout_ms: how long a job waits for a pooled connection before it fails closed
-        (the message is retried); default the pool's timeout.
+      connection_timeout_ms: how long the middleware keeps trying to check or record a key (a
+        pooled connection, then the statement, again on a fresh connection after a
+        connection-class error such as a socket the pool kept after a Postgres restart) before
+        it gives up; default the pool's timeout.  Giving up before the actor ran fails closed
+        (the message is retried); giving up on a record-mode record leaves the job acked
+        without its key (see ``IdempotencyRecordFailed``).
+      unknown_outcome_retries: how many times a job whose ``COMMIT`` failed for a
+        connection-class reason is retried (the commit may have landed: the retry finds the
+        key and skips if it did).  These retries do not count against ``max_retries``; past
+        them the message is dead-lettered with reason ``commit_outcome_unknown``.
+      unknown_outcome_backoff_ms: the delay before the first such retry; it doubles, with
+        jitter, up to a minute.
 
     Ordering: put it after ``AgeLimit``/``TimeLimit`` and before ``Callbacks``, ``Pipelines`` and
     the retry middleware (``broker.add_middleware(Idempotency(), before=Callbacks)``).  After-hooks
@@ -335,6 +383,8 @@ class Idempotency(Middleware):
         default_mode: Mode = "transactional",
         retention_ms: int = DEFAULT_RETENTION_MS,
         connection_timeout_ms: int | None = None,
+        unknown_outcome_retries: int = DEFAULT_UNKNOWN_OUTCOME_RETRIES,
+        unknown_outcome_backoff_ms: int = DEFAULT_UNKNOWN_OUTCOME_BACKOFF_MS,
     ) -> None:
         if default_mode not in MODES:
             raise ConfigurationError(f"default_mode must be one of {MODES!r}, got {default_mode!r}")
@@ -347,7 +397,27 @@ class Idempotency(Middleware):
             raise ConfigurationError(
                 f"connection_timeout_ms must be a positive int of milliseconds or None, got {connection_timeout_ms!r}"
             )
+        if (
+            isinstance(unknown_outcome_retries, bool)
+            or not isinstance(unknown_outcome_retries, int)
+            or not (0 <= unknown_outcome_retries <= 1000)
+        ):
+            raise ConfigurationError(
+                f"unknown_outcome_retries must be an int from 0 to 1000, got {unknown_outcome_retries!r}; "
+                "0 dead-letters a commit whose outcome is unknown at once"
+            )
+        if (
+            isinstance(unknown_outcome_backoff_ms, bool)
+            or not isinstance(unknown_outcome_backoff_ms, int)
+            or not 1 <= unknown_outcome_backoff_ms <= _MAX_UNKNOWN_OUTCOME_BACKOFF_MS
+        ):
+            raise ConfigurationError(
+                f"unknown_outcome_backoff_ms must be an int of milliseconds from 1 to "
+                f"{_MAX_UNKNOWN_OUTCOME_BACKOFF_MS}, got {unknown_outcome_backoff_ms!r}; e.g. 1000"
+            )
         self.connection_timeout_ms = connection_timeout_ms
+        self.unknown_outcome_retries = unknown_outcome_retries
+        self.unknown_outcome_backoff_ms = unknown_outcome_backoff_ms
         self.schema: str | None = None if schema is None else _sql.validate_schema(schema)
         self.default_mode: Mode = default_mode
         self.retention_ms = retention_ms
@@ -368,8 +438,10 @@ class Idempotency(Middleware):
         if self._target is None:
             if self._own_database is not None:
                 database = self._own_database
-                default_schema = broker.schema if isinstance(broker, OutboxBroker) else _sql.DEFAULT_SCHEMA
-            elif isinstance(broker, OutboxBroker):
+                default_schema = (
+                    broker.schema if isinstance(broker, (OutboxBroker, PostgresBroker)) else _sql.DEFAULT_SCHEMA
+                )
+            elif isinstance(broker, (OutboxBroker, PostgresBroker)):
                 database, default_schema = broker.database, broker.schema
             else:
                 raise ActorOptionError(
@@ -444,9 +516,14 @@ class Idempotency(Middleware):
                     "the arguments (the actor did not run)"
                 ) from error
         else:
-            return str(message.message_id)
+            message_id = str(message.message_id)
+            _check_storable(
+                message, "message id", message_id, "send it again with a fresh message (Dramatiq's own ids are UUIDs)"
+            )
+            return message_id
         if not isinstance(key, str) or not key:
             raise IdempotencyKeyError(f"{_where(message)}: {source} gave {key!r}, not a non-empty string; {fix}")
+        _check_storable(message, f"the key from {source}", key, "build keys from IDs and plain text")
         if len(key) * 4 > MAX_KEY_BYTES and len(key.encode()) > MAX_KEY_BYTES:  # at most 4 bytes a character
             raise IdempotencyKeyError(
                 f"{_where(message)}: the key from {source} is {len(key.encode())} bytes, over {MAX_KEY_BYTES}; "
@@ -460,6 +537,18 @@ class Idempotency(Middleware):
     # -- hooks --------------------------------------------------------------------------------
 
     def before_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
+        try:
+            self._before_enqueue(broker, message)
+        except MiddlewareError:
+            raise
+        except Exception as error:
+            # Swallowed, it would let a bad option through or a retry into a doomed transaction.
+            raise MiddlewareFailed(
+                f"Idempotency could not check {_where(message)} before it was enqueued: {type(error).__name__}: "
+                f"{_first_line(error)}; the message was not enqueued, report this as a bug"
+            ) from error
+
+    def _before_enqueue(self, broker: Broker, message: Message[Any]) -> None:
         running = _current.get()
         if running is not None and running.conn is not None and running.message._exception is not None:
             # The actor (or a later before-hook) raised and the transaction is going to roll back:
@@ -479,6 +568,26 @@ class Idempotency(Middleware):
                 self._key(actor, message)
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        """Check the key before the actor runs; fail closed whatever goes wrong.
+
+        Dramatiq lets only a ``MiddlewareError`` out of a before-hook and runs the actor after
+        anything else, unprotected: an unexpected error here becomes :class:`MiddlewareFailed`,
+        which the retry middleware retries like a failed job.
+        """
+        try:
+            self._before_process_message(broker, message)
+        except MiddlewareError:
+            raise
+        except Exception as error:
+            running = _current.get()
+            if running is not None and running.message is message:
+                self._finish(running, commit=False)
+            raise MiddlewareFailed(
+                f"Idempotency could not check {_where(message)}: {type(error).__name__}: {_first_line(error)}; "
+                "the actor did not run and the message will be retried"
+            ) from error
+
+    def _before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         stale = _current.get()
         if stale is not None:
             logger.error("idempotency state of message %s was never cleaned up; rolling it back", stale.job.message_id)
@@ -520,21 +629,109 @@ class Idempotency(Middleware):
         if running.job.mode == "transactional":
             error = self._finish(running, commit=True)
             if error is not None:
-                events.emit(IdempotencyCommitFailed(*_ids(running), _first_line(error)))
-                # The outcome is unknown: failing (not acking) keeps the message for a replay,
-                # which the key makes safe if the commit did land.
-                failure = JobCommitFailed(
-                    f"actor {running.job.actor_name!r} returned but its transaction did not commit: "
-                    f"{type(error).__name__}: {_first_line(error)}; the job's writes and key were not saved. "
-                    "If the actor does not write to Postgres use idempotency='record' (a long job holding an idle "
-                    "transaction meets idle_in_transaction_session_timeout); replaying the message is safe"
-                )
-                failure.__cause__ = error
-                message.stuff_exception(failure)
-                message.fail()
+                self._commit_failed(broker, message, running, error)
             return
         self._finish(running, commit=False)
         self._record(running)
+
+    # -- a commit that failed -----------------------------------------------------------------
+
+    def _commit_failed(self, broker: Broker, message: MessageProxy, running: _Running, error: BaseException) -> None:
+        """Decide the fate of a job that returned but whose transaction did not commit.
+
+        The message is never acked as if the job had succeeded: it is retried, or failed (and
+        so dead-lettered); what decides is why the commit failed.
+        """
+        job = running.job
+        unknown = is_connection_failure(error)
+        events.emit(IdempotencyCommitFailed(*_ids(running), _first_line(error), "unknown" if unknown else "failed"))
+        failure: JobCommitFailed
+        if unknown:
+            failure = CommitOutcomeUnknown(
+                f"actor {job.actor_name!r} returned but the connection broke during its COMMIT: "
+                f"{type(error).__name__}: {_first_line(error)}; the outcome is unknown (the writes and key may "
+                "have been saved), so the message is retried and its key makes the retry skip if they were"
+            )
+        elif isinstance(error, _Swallowed):
+            failure = JobCommitFailed(
+                f"actor {job.actor_name!r} returned but its transaction did not commit: the actor caught a database "
+                "error and went on, and Postgres rolled the transaction back; the job's writes and key were not "
+                "saved. Let the error propagate (or use a savepoint: with job_connection().transaction(): ...); "
+                "replaying the message is safe"
+            )
+        else:
+            failure = JobCommitFailed(
+                f"actor {job.actor_name!r} returned but Postgres refused its COMMIT: {type(error).__name__}: "
+                f"{_first_line(error)}; the job's writes and key were not saved. If the actor does not write to "
+                "Postgres use idempotency='record' (a long job holding an idle transaction meets "
+                "idle_in_transaction_session_timeout); replaying the message is safe"
+            )
+        failure.__cause__ = error
+        message.stuff_exception(failure)
+        if unknown:
+            self._retry_unknown_outcome(broker, message, failure)
+            return
+        retries = next((m for m in broker.middleware if isinstance(m, ClassifiedRetries)), None)
+        if retries is None or isinstance(error, _Swallowed):
+            message.fail()
+            return
+        # The commit failed for a reason of its own (a serialization failure, a deferred
+        # constraint): the classifier decides as if the actor had raised it, so a serialization
+        # failure is retried within the budget and a constraint violation is dead-lettered.
+        retries.after_process_message(broker, message, exception=failure)
+
+    def _retry_unknown_outcome(self, broker: Broker, message: MessageProxy, failure: JobCommitFailed) -> None:
+        """Send the message again: the key makes the retry safe whether or not the commit landed.
+
+        Through ``broker.enqueue``, as every retry: on an ``OutboxBroker`` the retry is an
+        outbox row (written on a fresh connection, trying for ``worker_write_timeout_ms``), so the
+        message is acked only once the retry is durable in Postgres, and failed (kept in
+        ``.XQ`` and dead-lettered) if it could not be written; on a ``RabbitmqBroker`` it is
+        published to the delay queue before the ack.  Counted apart from ``retries``.
+        """
+        options = message.options
+        done = options.get(UNKNOWN_OUTCOME_RETRIES_KEY, 0)
+        done = done if isinstance(done, int) and not isinstance(done, bool) and done >= 0 else 0
+        retries = options.get("retries", 0)
+        attempt = retries + 1 if isinstance(retries, int) and not isinstance(retries, bool) else 1
+        decision = Decision(
+            retry=True,
+            category="transient",
+            reason="commit_outcome_unknown",
+            error_type=type_name(type(failure)),
+            matched_type=type_name(type(failure.__cause__ or failure)),
+        )
+        if done >= self.unknown_outcome_retries:
+            self._give_up_unknown(message, decision, attempt)
+            return
+        delay = 0
+        if not delays_disabled():
+            delay = backoff_ms(
+                done + 1,
+                min_backoff=self.unknown_outcome_backoff_ms,
+                max_backoff=_MAX_UNKNOWN_OUTCOME_BACKOFF_MS,
+                jitter="proportional",
+            )
+        decision = dataclasses.replace(decision, delay_ms=delay)
+        options[UNKNOWN_OUTCOME_RETRIES_KEY] = done + 1
+        options[RETRY_DECISION_KEY] = decision_record(decision, "retry", attempt, None)
+        try:
+            broker.enqueue(cast("Message[Any]", message), delay=delay)
+        except Exception:
+            logger.exception(
+                "could not schedule the retry of message %s after a commit with an unknown outcome; failing it so "
+                "it is kept in the dead letters",
+                message.message_id,
+            )
+            self._give_up_unknown(message, dataclasses.replace(decision, delay_ms=None), attempt)
+            return
+        events.emit(retry_event(RetryScheduled, message, decision, "retry", attempt))
+
+    def _give_up_unknown(self, message: MessageProxy, decision: Decision, attempt: int) -> None:
+        decision = dataclasses.replace(decision, retry=False)
+        message.options[RETRY_DECISION_KEY] = decision_record(decision, "outcome_unknown", attempt, None)
+        message.fail()
+        events.emit(retry_event(RetryGaveUp, message, decision, "outcome_unknown", attempt))
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         running = _current.get()
@@ -565,56 +762,98 @@ class Idempotency(Middleware):
 
     def _claim(self, running: _Running, database: Database, schema_name: str) -> None:
         job = running.job
-        params = (job.actor_name, job.key, running.payload_hash, job.message_id, running.retention_s)
-        claim, lookup = _sql.query("idempotency_claim", schema_name), _sql.query("idempotency_lookup", schema_name)
-        stored = None
-        try:
-            conn = self._borrow(database)
-            running.conn, running.pool = conn, database.pool
-            if conn.autocommit:
-                # A shared app pool may hand out autocommit connections: the key and the job's
-                # writes would then commit one by one, and a failed job would leave its key
-                # behind (its retry skipped as a duplicate).  Run this job in a transaction.
-                conn.autocommit = False
-                running.restore_autocommit = True
-            if not self._schema_ready:
-                self._check_schema(conn, schema_name)
-            # The key is the transaction's first statement: one round trip on the common path.
-            # Only a conflict reads the stored row, in a second statement that sees the commit
-            # it may have waited for; a key purged in between is simply claimed again.
-            for _attempt in range(3):
-                if _sql.tuples(conn).execute(claim, params).fetchone() is not None:
-                    break
-                stored = _sql.tuples(conn).execute(lookup, params[:2]).fetchone()
-                if stored is not None:
-                    break
-            else:
-                raise RuntimeError(f"key {job.key!r} was neither claimable nor readable three times in a row")
-            if stored is None:
-                # Bound for send(): the actor's messages go to the outbox inside this transaction.
-                binding = bind(conn)
-                binding.__enter__()
-                running.binding = binding
-        except Exception as error:
-            # Fail closed whatever went wrong: only a MiddlewareError keeps the actor from running.
-            self._end_transaction(running, commit=False)
-            self._unavailable(job, error, schema_name)
-        except BaseException:  # an interrupt (TimeLimit, shutdown): give the connection back
-            self._end_transaction(running, commit=False)
-            raise
+        deadline = time.monotonic() + self._timeout_s(database)
+        pause = _FIRST_PAUSE_S
+        while True:
+            try:
+                stored = self._claim_once(running, database, schema_name, deadline)
+                break
+            except (psycopg.Error, PoolTimeout, SchemaNotReady) as error:
+                self._end_transaction(running, commit=False)
+                # The claim is the transaction's first statement: on a fresh connection it can
+                # simply run again.  A pool keeps the sockets a Postgres restart or a network
+                # cut reset; each such one fails fast and is discarded on return.
+                if is_connection_failure(error) and time.monotonic() + pause < deadline:
+                    logger.info(
+                        "idempotency check of message %s failed on a broken connection (%s); trying a fresh one",
+                        job.message_id,
+                        _first_line(error),
+                    )
+                    time.sleep(pause)
+                    pause = min(pause * 2, _MAX_PAUSE_S)
+                    continue
+                # Fail closed: only a MiddlewareError keeps the actor from running.
+                self._unavailable(job, error, schema_name)
+            except BaseException:  # a bug (made a MiddlewareError by the hook) or an interrupt
+                self._end_transaction(running, commit=False)
+                raise
         if stored is not None:
             self._end_transaction(running, commit=False)
             self._seen(running, stored)
 
-    def _borrow(self, database: Database) -> psycopg.Connection[Any]:
+    def _claim_once(self, running: _Running, database: Database, schema_name: str, deadline: float) -> Any:
+        """Borrow a connection, begin, claim the key; the stored row of a duplicate, else ``None``."""
+        job = running.job
+        params = _key_params(running)
+        claim, lookup = _sql.query("idempotency_claim", schema_name), _sql.query("idempotency_lookup", schema_name)
+        conn = self._borrow(database, deadline)
+        running.conn, running.pool = conn, database.pool
+        if conn.autocommit:
+            # A shared app pool may hand out autocommit connections: the key and the job's
+            # writes would then commit one by one, and a failed job would leave its key
+            # behind (its retry skipped as a duplicate).  Run this job in a transaction.
+            conn.autocommit = False
+            running.restore_autocommit = True
+        if not self._schema_ready:
+            self._check_schema(conn, schema_name)
+        # The key is the transaction's first statement: one round trip on the common path.
+        # Only a conflict reads the stored row, in a second statement that sees the commit
+        # it may have waited for; a key purged in between is simply claimed again.
+        for _attempt in range(3):
+            if _sql.tuples(conn).execute(claim, params).fetchone() is not None:
+                break
+            stored = _sql.tuples(conn).execute(lookup, params).fetchone()
+            if stored is not None:
+                return stored
+        else:
+            raise RuntimeError(f"key {job.key!r} was neither claimable nor readable three times in a row")
+        # Bound for send(): the actor's messages go to the outbox inside this transaction.
+        binding = bind(conn)
+        binding.__enter__()
+        running.binding = binding
+        return None
+
+    def _timeout_s(self, database: Database) -> float:
+        if self.connection_timeout_ms is not None:
+            return self.connection_timeout_ms / 1000
+        return float(database.pool.timeout)
+
+    def _borrow(self, database: Database, deadline: float) -> psycopg.Connection[Any]:
         """A pooled connection; getconn/putconn span two hooks, where a ``with`` block cannot."""
+        remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
         if not self._pool_open:
-            with database.connection(timeout_ms=self.connection_timeout_ms):
+            with database.connection(timeout_ms=remaining_ms):
                 pass  # opens a pool the Database created lazily
             self._pool_open = True
-        timeout_s = self.connection_timeout_ms / 1000 if self.connection_timeout_ms else None
-        conn: psycopg.Connection[Any] = database.pool.getconn(timeout=timeout_s)
+            remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        conn: psycopg.Connection[Any] = database.pool.getconn(timeout=remaining_ms / 1000)
         return conn
+
+    def _on_fresh_connections(self, database: Database, work: Callable[[psycopg.Connection[Any]], _T]) -> _T:
+        """``work(conn)`` on a pooled connection, again on a fresh one after a connection-class
+        error, until ``connection_timeout_ms`` has passed; then the last error is raised."""
+        deadline = time.monotonic() + self._timeout_s(database)
+        pause = _FIRST_PAUSE_S
+        while True:
+            remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                with database.connection(timeout_ms=remaining_ms) as conn, _autocommit(conn):
+                    return work(conn)
+            except psycopg.Error as error:
+                if not is_connection_failure(error) or time.monotonic() + pause >= deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, _MAX_PAUSE_S)
 
     def _end_transaction(self, running: _Running, *, commit: bool) -> BaseException | None:
         """Commit or roll back, unbind and return the connection; the error of a failed commit."""
@@ -627,9 +866,7 @@ class Idempotency(Middleware):
         try:
             if commit and conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
                 # The actor swallowed a database error: COMMIT would quietly roll back.
-                failure = psycopg.errors.InFailedSqlTransaction(
-                    "the job's transaction was aborted by an earlier statement the actor caught"
-                )
+                failure = _Swallowed("the job's transaction was aborted by an earlier statement the actor caught")
                 conn.rollback()
             elif commit:
                 conn.commit()
@@ -663,17 +900,17 @@ class Idempotency(Middleware):
 
     def _check_recorded(self, running: _Running, database: Database, schema_name: str) -> None:
         job = running.job
+        lookup = _sql.query("idempotency_lookup", schema_name)
+
+        def check(conn: psycopg.Connection[Any]) -> Any:
+            if not self._schema_ready:
+                self._check_schema(conn, schema_name)
+            return _sql.tuples(conn).execute(lookup, _key_params(running)).fetchone()
+
         try:
             # Autocommit: one round trip, no BEGIN/COMMIT.
-            with database.connection(timeout_ms=self.connection_timeout_ms) as conn, _autocommit(conn):
-                if not self._schema_ready:
-                    self._check_schema(conn, schema_name)
-                stored = (
-                    _sql.tuples(conn)
-                    .execute(_sql.query("idempotency_lookup", schema_name), (job.actor_name, job.key))
-                    .fetchone()
-                )
-        except Exception as error:
+            stored = self._on_fresh_connections(database, check)
+        except (psycopg.Error, PoolTimeout, SchemaNotReady) as error:
             self._unavailable(job, error, schema_name)
         if stored is not None:
             self._seen(running, stored)
@@ -682,15 +919,19 @@ class Idempotency(Middleware):
         job = running.job
         assert self._target is not None
         database, schema_name = self._target
-        params = (job.actor_name, job.key, running.payload_hash, job.message_id, running.retention_s)
+        claim = _sql.query("idempotency_claim", schema_name)
         try:
             # Autocommit, one key per statement.  Group commit (the threads' keys in one
             # multi-row INSERT, each thread waiting for the commit) halved the WAL flushes but
             # was measured no faster: a worker thread waiting on a condition costs about what the
-            # round trip it saved did.
-            with database.connection(timeout_ms=self.connection_timeout_ms) as conn, _autocommit(conn):
-                recorded = _sql.tuples(conn).execute(_sql.query("idempotency_claim", schema_name), params).fetchone()
+            # round trip it saved did.  An autocommit INSERT whose reply was lost and is sent
+            # again finds its own row: the second run returns no row, which is harmless here.
+            recorded = self._on_fresh_connections(
+                database, lambda conn: _sql.tuples(conn).execute(claim, _key_params(running)).fetchone()
+            )
         except Exception as error:
+            # The effect happened: failing the message now would dead-letter (and a replay
+            # repeat) work that succeeded.  Acked without its key, a duplicate would run again.
             events.emit(IdempotencyRecordFailed(*_ids(running), _first_line(error)))
             return
         if recorded is None:
@@ -778,7 +1019,9 @@ def purge_expired(database: DatabaseLike, *, schema: str = _sql.DEFAULT_SCHEMA, 
         conn.rollback()
         with _autocommit(conn):
             while True:
-                deleted = conn.execute(_sql.query("idempotency_purge", schema_name), {"batch": batch_size}).rowcount
+                deleted = conn.execute(
+                    _sql.query("idempotency_purge", schema_name), {"batch_size": batch_size}
+                ).rowcount
                 total += deleted
                 if deleted < batch_size:
                     break
@@ -808,7 +1051,7 @@ def make_purge_actor(
         middleware = next((m for m in broker.middleware if isinstance(m, Idempotency)), None)
         if middleware is not None:
             database, default_schema = middleware.database_for(broker)
-        elif isinstance(broker, OutboxBroker):
+        elif isinstance(broker, (OutboxBroker, PostgresBroker)):
             database, default_schema = broker.database, broker.schema
         else:
             raise ConfigurationError(
@@ -816,7 +1059,7 @@ def make_purge_actor(
             )
     else:
         database = Database.of(database)
-        default_schema = broker.schema if isinstance(broker, OutboxBroker) else _sql.DEFAULT_SCHEMA
+        default_schema = broker.schema if isinstance(broker, (OutboxBroker, PostgresBroker)) else _sql.DEFAULT_SCHEMA
     schema_name = _sql.validate_schema(schema or default_schema)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigurationError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -851,9 +1094,41 @@ def _check_retention(what: str, value: object, error: type[ConfigurationError]) 
         raise error(f"{what} must be a positive int of milliseconds, got {value!r}; e.g. 7 days is 604_800_000")
 
 
+def _check_storable(message: Message[Any] | MessageProxy, what: str, value: str, fix: str) -> None:
+    """Refuse text Postgres cannot store (a NUL, a lone surrogate) before any statement is sent.
+
+    Sent anyway, it would fail the claim with an error that looks like an outage, and the
+    message would be retried until its budget ran out.
+    """
+    problem = None
+    if "\x00" in value:
+        problem = "contains a NUL character"
+    else:
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            problem = "contains a lone surrogate"
+    if problem is not None:
+        raise IdempotencyKeyError(
+            f"{_where(message)}: {what} {value!r} {problem}, which Postgres text cannot store; {fix} "
+            "(the actor did not run)"
+        )
+
+
 def _where(message: Message[Any] | MessageProxy) -> str:
     """The message an error is about; built only once there is an error."""
     return f"message {message.message_id!r} for actor {message.actor_name!r}"
+
+
+def _key_params(running: _Running) -> dict[str, Any]:
+    job = running.job
+    return {
+        "actor_name": job.actor_name,
+        "job_key": job.key,
+        "payload_hash": running.payload_hash,
+        "message_id": job.message_id,
+        "retention_s": running.retention_s,
+    }
 
 
 def _ids(running: _Running) -> tuple[str, str, str]:

@@ -69,13 +69,16 @@ __all__ = [
     "RetryOutcome",
     "RetryScheduled",
     "build_middleware",
+    "decision_record",
+    "delays_disabled",
     "no_delays",
+    "retry_event",
     "validate_middleware",
 ]
 
 logger = logging.getLogger("dramatiq_reliable.retries")
 
-#: The message option holding the latest retry decision (a JSON-able dict, see ``_record``).
+#: The message option holding the latest retry decision (a JSON-able dict, see :func:`decision_record`).
 RETRY_DECISION_KEY = "retry_decision"
 
 #: Dramatiq's default: 15 seconds before the first retry.
@@ -95,8 +98,10 @@ _JITTERS = ("full", "proportional", "none")
 
 #: What became of a failed message: ``"retry"`` (scheduled), ``"fail"`` (the classifier, a rule,
 #: ``throws`` or ``Unrecoverable`` said no), ``"exhausted"`` (``max_retries`` or ``retry_when``),
-#: ``"deadline"`` (the next attempt would start after ``retry_deadline_ms``).
-RetryOutcome = Literal["retry", "fail", "exhausted", "deadline"]
+#: ``"deadline"`` (the next attempt would start after ``retry_deadline_ms``), ``"outcome_unknown"``
+#: (a job's ``COMMIT`` kept failing with an unknown outcome: ``Idempotency``'s own bounded
+#: retries, which do not count against ``max_retries``, ran out).
+RetryOutcome = Literal["retry", "fail", "exhausted", "deadline", "outcome_unknown"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,9 +170,9 @@ def no_delays() -> Iterator[None]:
             _no_delays_depth -= 1
 
 
-# --------------------------------------------------------------------------------------------
-# Validation helpers
-# --------------------------------------------------------------------------------------------
+def delays_disabled() -> bool:
+    """Whether a :func:`no_delays` block is active (in any thread)."""
+    return _no_delays_depth > 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,9 +419,9 @@ class ClassifiedRetries(Middleware):
                 error_type=_type_name(type(exception)),
                 matched_type=_type_name(type(exception)),
             )
-            message.options[RETRY_DECISION_KEY] = _record(decision, "fail", attempt, None)
+            message.options[RETRY_DECISION_KEY] = decision_record(decision, "fail", attempt, None)
             message.fail()
-            events.emit(_event(RetryGaveUp, message, decision, "fail", attempt))
+            events.emit(retry_event(RetryGaveUp, message, decision, "fail", attempt))
 
     # -- the decision -------------------------------------------------------------------------
 
@@ -488,13 +493,13 @@ class ClassifiedRetries(Middleware):
                 self.consumer_timeout_ms,
             )
         decision = dataclasses.replace(decision, delay_ms=delay)
-        options[RETRY_DECISION_KEY] = _record(decision, "retry", attempt, max_retries)
+        options[RETRY_DECISION_KEY] = decision_record(decision, "retry", attempt, max_retries)
         # The proxy, as Dramatiq's Retries passes it: brokers only read its fields.
         broker.enqueue(cast("Message[Any]", message), delay=delay)
-        events.emit(_event(RetryScheduled, message, decision, "retry", attempt))
+        events.emit(retry_event(RetryScheduled, message, decision, "retry", attempt))
 
     def _delay(self, decision: Decision, attempt: int, option: Callable[[str, Any], Any]) -> int:
-        if self.testing or _no_delays_depth > 0:
+        if self.testing or delays_disabled():
             return 0
         if decision.delay_ms is not None:
             return min(decision.delay_ms, _MAX_DELAY_MS)
@@ -526,9 +531,9 @@ class ClassifiedRetries(Middleware):
     ) -> None:
         # A deadline record keeps the delay that would have overshot it; other give-ups have none.
         record_decision = decision if outcome == "deadline" else dataclasses.replace(decision, delay_ms=None)
-        message.options[RETRY_DECISION_KEY] = _record(record_decision, outcome, attempt, max_retries)
+        message.options[RETRY_DECISION_KEY] = decision_record(record_decision, outcome, attempt, max_retries)
         message.fail()
-        events.emit(_event(RetryGaveUp, message, record_decision, outcome, attempt))
+        events.emit(retry_event(RetryGaveUp, message, record_decision, outcome, attempt))
 
         if outcome in ("exhausted", "deadline"):
             target = message.options.get("on_retry_exhausted") or actor.options.get(
@@ -565,8 +570,13 @@ class ClassifiedRetries(Middleware):
                 )
 
 
-def _record(decision: Decision, outcome: RetryOutcome, attempt: int, max_retries: int | None) -> dict[str, Any]:
-    """The JSON-able form stored under ``message.options["retry_decision"]``."""
+def decision_record(decision: Decision, outcome: RetryOutcome, attempt: int, max_retries: int | None) -> dict[str, Any]:
+    """The JSON-able form stored under ``message.options["retry_decision"]``.
+
+    Dead letters and traces read it to say why a message was retried or failed; every part
+    that decides a message's fate (``ClassifiedRetries``, ``Idempotency`` for a commit whose
+    outcome is unknown) stores this same shape.
+    """
     return {
         "retry": outcome == "retry",
         "outcome": outcome,
@@ -582,9 +592,10 @@ def _record(decision: Decision, outcome: RetryOutcome, attempt: int, max_retries
     }
 
 
-def _event(
+def retry_event(
     cls: type[RetryEvent], message: MessageProxy, decision: Decision, outcome: RetryOutcome, attempt: int
 ) -> RetryEvent:
+    """The :class:`RetryScheduled` or :class:`RetryGaveUp` event for a decision about ``message``."""
     return cls(
         message_id=message.message_id,
         actor_name=message.actor_name,

@@ -9,14 +9,14 @@ was not retried (retries exhausted, ``throws``, ``Unrecoverable``, age limit, ti
 actor), the HTTP status when there was one, first and last failure times, the worker host and
 pid, and a fingerprint that groups a thousand failures from one bug into one row.
 
-:class:`DeadLetterStore` reads and maintains that table: list and show, group by fingerprint,
+:class:`PostgresDeadLetterStore` reads and maintains that table: list and show, group by fingerprint,
 replay through the outbox (the dead letter is marked in the same transaction as the outbox row,
 so a replay is never lost and never doubled), discard, and purge past retention.  The
 ``dramatiq-reliable dead-letters`` command is a thin layer over it.
 
 >>> broker = OutboxBroker(url=..., database=..., middleware=[..., DeadLetters(), ClassifiedRetries()])
 ... # doctest: +SKIP
->>> store = DeadLetterStore.from_broker(broker)                          # doctest: +SKIP
+>>> store = PostgresDeadLetterStore.from_broker(broker)                          # doctest: +SKIP
 >>> store.replay(where=DeadLetterFilter(actor_name="send_receipt"))      # doctest: +SKIP
 ReplayResult(replayed=12, too_old=0, problems={})
 

@@ -3,7 +3,7 @@
 -- makes this statement wait on its row lock; after that commit it returns no row (a duplicate),
 -- after a rollback it inserts.
 INSERT INTO {schema}.processed_jobs AS p (actor_name, job_key, payload_hash, message_id, expires_at)
-VALUES (%s, %s, %s, %s, now() + make_interval(secs => %s))
+VALUES (%(actor_name)s, %(job_key)s, %(payload_hash)s, %(message_id)s, now() + make_interval(secs => %(retention_s)s))
 ON CONFLICT (actor_name, job_key) DO UPDATE
     SET payload_hash = EXCLUDED.payload_hash,
         message_id   = EXCLUDED.message_id,

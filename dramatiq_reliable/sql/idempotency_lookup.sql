@@ -2,4 +2,4 @@
 -- before a record-mode job runs.
 SELECT payload_hash, message_id
 FROM {schema}.processed_jobs
-WHERE actor_name = %s AND job_key = %s AND expires_at > now()
+WHERE actor_name = %(actor_name)s AND job_key = %(job_key)s AND expires_at > now()

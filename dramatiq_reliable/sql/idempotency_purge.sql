@@ -5,6 +5,6 @@ WHERE (actor_name, job_key) IN (
     SELECT actor_name, job_key FROM {schema}.processed_jobs
     WHERE expires_at <= now()
     ORDER BY expires_at
-    LIMIT %(batch)s
+    LIMIT %(batch_size)s
     FOR UPDATE SKIP LOCKED
 )

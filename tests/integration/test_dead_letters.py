@@ -287,11 +287,11 @@ def test_classified_retries_decisions_are_stored_with_reason_and_http_status(
 
 
 def test_postgres_down_at_capture_still_leaves_the_message_in_the_xq_and_says_so_loudly(
-    make_broker, run_worker, queue_name, rabbit, db, db_schema, caplog, seen_events
+    database_url, make_broker, run_worker, queue_name, rabbit, db, db_schema, caplog, seen_events
 ):
-    proxy = TcpProxy("127.0.0.1", 5432).start()
+    proxy = TcpProxy.to(database_url).start()
     proxy.stop()  # an outage: connections to the proxy's port are refused
-    down = DeadLetters(database=f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres", timeout_ms=300)
+    down = DeadLetters(database=proxy.url, timeout_ms=300)
     broker = make_broker(*_middleware(down))
 
     def fails(n: int) -> None:
