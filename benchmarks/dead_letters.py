@@ -7,7 +7,7 @@ set-based SQL (``generate_series``), then measures:
   1. filtered listings (newest first, 50 rows): one actor, first page and a page 21 deep through
      the keyset cursor; actor + error type + time range; no filter; median and p95 over
      ``--list-runs`` runs;
-  2. ``DeadLetterStore.replay()`` of ``--replay`` rows of one actor, each from a fresh checkpoint:
+  2. ``PostgresDeadLetterStore.replay()`` of ``--replay`` rows of one actor, each from a fresh checkpoint:
      an incident (one bug, consecutive rows: the usual bulk replay after a fix, the headline
      figure) and the same number of rows scattered one in nine over the table (the worst case:
      every row on its own page, so every row costs a full-page image in the WAL).
@@ -40,7 +40,7 @@ from dramatiq.message import Message
 from psycopg import sql
 
 from dramatiq_reliable import migrate
-from dramatiq_reliable.dead_letters import DeadLetterFilter, DeadLetterStore
+from dramatiq_reliable.dead_letters import DeadLetterFilter, PostgresDeadLetterStore
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -115,7 +115,9 @@ def p95(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
-def replay(store: DeadLetterStore, conn: psycopg.Connection[Any], schema_name: str, actor: str) -> dict[str, Any]:
+def replay(
+    store: PostgresDeadLetterStore, conn: psycopg.Connection[Any], schema_name: str, actor: str
+) -> dict[str, Any]:
     """Replay every dead letter of ``actor`` after a checkpoint; return the figures."""
     expected = store.count(where=DeadLetterFilter(actor_name=actor))
     outbox = sql.Identifier(schema_name, "outbox")
@@ -183,7 +185,7 @@ def main() -> None:
     schema_name = f"bench_dl_{uuid.uuid4().hex[:10]}"
     migrate(DATABASE_URL, schema=schema_name)
     table = sql.Identifier(schema_name, "dead_letters")
-    store = DeadLetterStore(database=DATABASE_URL, schema=schema_name, batch_size=args.batch)
+    store = PostgresDeadLetterStore(database=DATABASE_URL, schema=schema_name, batch_size=args.batch)
     conn = psycopg.connect(DATABASE_URL, autocommit=True)
     try:
         # Two sets of rows to replay: an incident (one bug, one hour, consecutive rows: what a bulk

@@ -9,7 +9,14 @@ from importlib.metadata import version as _version
 
 from .classify import Decision, classify
 from .database import Database
-from .dead_letters import DeadLetter, DeadLetterFilter, DeadLetters, DeadLetterStore, ReplayResult
+from .dead_letters import (
+    DeadLetter,
+    DeadLetterFilter,
+    DeadLetters,
+    DeadLetterStore,
+    PostgresDeadLetterStore,
+    ReplayResult,
+)
 from .errors import (
     ActorOptionError,
     BrokerUnavailable,
@@ -60,6 +67,7 @@ __all__ = [
     "OutboxWriteError",
     "PayloadError",
     "PostgresBroker",
+    "PostgresDeadLetterStore",
     "Relay",
     "RelayOptions",
     "ReliableError",

@@ -15,6 +15,10 @@ What each number means, and why it matters:
   fetched sit unacked in its memory, which RabbitMQ's passive declare does not count.
 * ``xq``: messages in ``<queue>.XQ``, RabbitMQ's copy of every failed message.  Named after
   the queue, not "dead", so that "dead letters" means one thing: the rows in Postgres.
+* ``xq_unstored``: messages in ``<queue>.XQ`` whose death has no dead-letter row (a capture
+  that failed while Postgres was down): out of reach of ``replay`` until
+  ``dramatiq-reliable dead-letters import-xq`` moves them.  Read only when asked for
+  (``xq_unstored=True``): it fetches the ``.XQ`` bodies, unacked, and puts them back.
 * ``outbox_backlog`` / ``outbox_oldest_age_s``: committed messages not yet published.  An old
   row is the signal of a relay that quietly died.
 * ``dead_letters`` / ``dead_letters_newest_age_s``: rows in the dead-letter table not yet
@@ -79,6 +83,7 @@ class QueueHealth:
     depth: int | None = None
     delayed: int | None = None
     xq: int | None = None
+    xq_unstored: int | None = None
     consumers: int | None = None
     outbox_backlog: int | None = None
     outbox_failing: int | None = None
@@ -151,6 +156,7 @@ class Health:
             "depth": total("depth"),
             "delayed": total("delayed"),
             "xq": total("xq"),
+            "xq_unstored": total("xq_unstored"),
             "outbox_backlog": total("outbox_backlog"),
             "outbox_failing": total("outbox_failing"),
             "outbox_oldest_age_s": max(ages) if ages else None,
@@ -243,6 +249,11 @@ class QueueDepths:
             result[name] = (int(frame.method.message_count), int(frame.method.consumer_count))
         return result
 
+    @property
+    def parameters(self) -> Any:
+        """The pika connection parameters this reader connects with (never print them: credentials)."""
+        return self._parameters
+
     def describe(self, error: BaseException) -> str:
         """``cannot reach RabbitMQ at host:port: <reason>`` for an error of :meth:`read`."""
         return rabbitmq_error(error, self._parameters)
@@ -278,6 +289,8 @@ def collect_health(
     retries_waiting: bool = False,
     statement_timeout_ms: int = 5000,
     connect_timeout_ms: int = 5000,
+    xq_unstored: bool = False,
+    xq_scan_limit: int = 10_000,
 ) -> Health:
     """Read every queue's health numbers; an unreachable service is reported, not raised.
 
@@ -293,6 +306,8 @@ def collect_health(
       retries_waiting: count the retries not yet due (scans the outbox's delayed rows).
       statement_timeout_ms: a bound on each query, so a probe never hangs on a locked table.
       connect_timeout_ms: used when ``database`` is a URL.
+      xq_unstored: also count, per queue, the ``.XQ`` messages with no dead-letter row (needs
+        both services and the dead-letter table); at most ``xq_scan_limit`` are read per queue.
 
     Raises :class:`~dramatiq_reliable.errors.SchemaNotReady` when the outbox tables are missing,
     and :class:`~dramatiq_reliable.errors.ConfigurationError` for a name in ``queues`` that
@@ -367,6 +382,16 @@ def collect_health(
                 values["delayed"] = delayed[0] if delayed else 0
                 values["xq"] = dead[0] if dead else 0
 
+    if xq_unstored and rabbitmq is not None and rabbitmq_error is None and database is not None and dead_letters_table:
+        try:
+            _count_xq_unstored(database, schema, rabbitmq, rows, xq_scan_limit, connect_timeout_ms)
+        except (psycopg.Error, PoolTimeout) as error:
+            postgres_error = _postgres_problem(error)
+        except Exception as error:
+            rabbitmq_error = rabbitmq.describe(error)
+        else:
+            counted.add("xq_unstored")
+
     return Health(
         queues=tuple(QueueHealth(queue=name, **values) for name, values in sorted(rows.items())),
         collected_at=time.time(),
@@ -375,6 +400,33 @@ def collect_health(
         dead_letters_table=dead_letters_table,
         counted=frozenset(counted),
     )
+
+
+def _count_xq_unstored(
+    database: DatabaseSource,
+    schema_name: str,
+    rabbitmq: QueueDepths,
+    rows: dict[str, dict[str, Any]],
+    limit: int,
+    connect_timeout_ms: int,
+) -> None:
+    from .dead_letters.xq import peek_xq
+
+    for name, values in rows.items():
+        if not values.get("xq"):
+            values["xq_unstored"] = 0
+            continue
+        keys, unreadable = peek_xq(rabbitmq.parameters, name, limit=limit)
+        with _connection(database, connect_timeout_ms) as conn:
+            row = (
+                _sql.tuples(conn)
+                .execute(
+                    _sql.query("dead_letters_stored", schema_name),
+                    {"message_ids": [key[0] for key in keys], "after_ids": [key[1] for key in keys]},
+                )
+                .fetchone()
+            )
+        values["xq_unstored"] = len(keys) - int(row[0] if row else 0) + unreadable
 
 
 # AMQP names are short strings (255 bytes at most) and the .DQ/.XQ suffixes take three.
@@ -588,6 +640,7 @@ class Thresholds:
     max_dead_letters: int | None = None
     max_queue_depth: int | None = None
     max_xq: int | None = None
+    max_xq_unstored: int | None = None
 
     def any(self) -> bool:
         return any(value is not None for value in dataclasses.astuple(self))
@@ -614,6 +667,13 @@ def check_health(health: Health, thresholds: Thresholds) -> list[str]:
             (item.dead_letters, thresholds.max_dead_letters, "dead letter", "dead letters", "--max-dead-letters"),
             (item.depth, thresholds.max_queue_depth, "message waiting", "messages waiting", "--max-queue-depth"),
             (item.xq, thresholds.max_xq, "message in its .XQ", "messages in its .XQ", "--max-xq"),
+            (
+                item.xq_unstored,
+                thresholds.max_xq_unstored,
+                "message in its .XQ with no dead-letter row",
+                "messages in its .XQ with no dead-letter row",
+                "--max-xq-unstored (run 'dramatiq-reliable dead-letters import-xq')",
+            ),
         ):
             if limit is not None and value is not None and value > limit:
                 problems.append(f"queue {item.queue!r}: {value} {one if value == 1 else many}, over {option} {limit}")

@@ -438,7 +438,9 @@ class Idempotency(Middleware):
         if self._target is None:
             if self._own_database is not None:
                 database = self._own_database
-                default_schema = broker.schema if isinstance(broker, (OutboxBroker, PostgresBroker)) else _sql.DEFAULT_SCHEMA
+                default_schema = (
+                    broker.schema if isinstance(broker, (OutboxBroker, PostgresBroker)) else _sql.DEFAULT_SCHEMA
+                )
             elif isinstance(broker, (OutboxBroker, PostgresBroker)):
                 database, default_schema = broker.database, broker.schema
             else:

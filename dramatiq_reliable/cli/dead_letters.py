@@ -9,6 +9,7 @@
                                            [--max-age 7d | --force] [--yes] [--json]
     dramatiq-reliable dead-letters discard [ID ...] [FILTERS | --all] [--reason TEXT] [--yes] [--json]
     dramatiq-reliable dead-letters purge   [--older-than 30d] [--handled-older-than 0s] [--json]
+    dramatiq-reliable dead-letters import-xq --queue Q [--queue Q ...] [--rabbitmq-url URL] [--json]
 
     FILTERS: --actor NAME --queue NAME --error-type TYPE --fingerprint FP --since WHEN --until WHEN
 
@@ -38,9 +39,10 @@ from ..dead_letters import (
     DEFAULT_RETENTION_MS,
     DeadLetter,
     DeadLetterFilter,
-    DeadLetterStore,
+    PostgresDeadLetterStore,
+    import_xq,
 )
-from . import output
+from . import common, output
 from .common import (
     BIGINT_MAX,
     DURATION,
@@ -51,6 +53,7 @@ from .common import (
     open_database,
     print_error,
     queue_name,
+    rabbitmq_parameters,
 )
 
 __all__ = ["NOT_FOUND", "REFUSED", "register"]
@@ -193,6 +196,28 @@ def register(
         help="delete replayed/discarded rows handled longer ago (default 0s: all)",
     )
     purge.set_defaults(handler=_purge)
+
+    _, rabbit = common.common_parents()
+    import_ = actions.add_parser(
+        "import-xq",
+        parents=[*parents, rabbit, output],
+        help="move messages found only in RabbitMQ's .XQ queues into the dead letters",
+        description=(
+            "Move every message of each queue's .XQ into the dead letters (reason imported_from_xq), so replay "
+            "reaches it. Idempotent by message id: a message whose death already has a row is acked off .XQ "
+            "without a second row. Bodies that are not Dramatiq messages stay in .XQ (exit 8, REFUSED)."
+        ),
+    )
+    import_.add_argument(
+        "--queue",
+        dest="queues",
+        action="append",
+        type=queue_name,
+        required=True,
+        metavar="NAME",
+        help="a queue whose .XQ to import (repeatable)",
+    )
+    import_.set_defaults(handler=_import_xq)
     return parser
 
 
@@ -202,9 +227,9 @@ def register(
 
 
 @contextlib.contextmanager
-def _store(args: argparse.Namespace, **options: Any) -> Iterator[DeadLetterStore]:
+def _store(args: argparse.Namespace, **options: Any) -> Iterator[PostgresDeadLetterStore]:
     with open_database(args) as database:
-        yield DeadLetterStore(database=database, schema=args.schema, **options)
+        yield PostgresDeadLetterStore(database=database, schema=args.schema, **options)
 
 
 def _filter(args: argparse.Namespace) -> DeadLetterFilter:
@@ -419,6 +444,24 @@ def _purge(args: argparse.Namespace) -> int:
             f"{result.dead:,} dead past retention"
         )
     return ExitCode.OK
+
+
+def _import_xq(args: argparse.Namespace) -> int:
+    parameters = rabbitmq_parameters(args)
+    with _store(args) as store:
+        result = import_xq(store, parameters=parameters, queues=args.queues)
+    if args.json:
+        output.print_json(result.as_dict())
+    else:
+        for name in result.imported:
+            line = (
+                f"{name}.XQ: imported {result.imported[name]:,}, already stored {result.already_stored[name]:,} "
+                "(acked off .XQ)"
+            )
+            if result.unreadable[name]:
+                line += f", {result.unreadable[name]:,} unreadable left in .XQ"
+            print(line)
+    return REFUSED if any(result.unreadable.values()) else ExitCode.OK
 
 
 # --------------------------------------------------------------------------------------------

@@ -62,6 +62,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-dead-letters", type=count, metavar="N", help="dead letters waiting in Postgres")
     limits.add_argument("--max-queue-depth", type=count, metavar="N", help="ready messages in RabbitMQ")
     limits.add_argument("--max-xq", type=count, metavar="N", help="messages in the queue's .XQ")
+    limits.add_argument(
+        "--max-xq-unstored",
+        type=count,
+        metavar="N",
+        help="messages in the queue's .XQ with no dead-letter row (0: any; fix with 'dead-letters import-xq')",
+    )
     parser.set_defaults(handler=_handle)
 
 
@@ -72,6 +78,7 @@ def _handle(args: argparse.Namespace) -> int:
         max_dead_letters=args.max_dead_letters,
         max_queue_depth=args.max_queue_depth,
         max_xq=args.max_xq,
+        max_xq_unstored=args.max_xq_unstored,
     )
     if thresholds.any() and not args.check:
         raise UsageError("the --max-* thresholds apply only with --check")
@@ -85,6 +92,7 @@ def _handle(args: argparse.Namespace) -> int:
             queues=args.queue,
             discover_queues=True,
             retries_waiting=True,
+            xq_unstored=args.max_xq_unstored is not None,
         )
     finally:
         if rabbitmq is not None:

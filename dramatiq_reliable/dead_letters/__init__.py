@@ -9,14 +9,14 @@ was not retried (retries exhausted, ``throws``, ``Unrecoverable``, age limit, ti
 actor), the HTTP status when there was one, first and last failure times, the worker host and
 pid, and a fingerprint that groups a thousand failures from one bug into one row.
 
-:class:`DeadLetterStore` reads and maintains that table: list and show, group by fingerprint,
+:class:`PostgresDeadLetterStore` reads and maintains that table: list and show, group by fingerprint,
 replay through the outbox (the dead letter is marked in the same transaction as the outbox row,
 so a replay is never lost and never doubled), discard, and purge past retention.  The
 ``dramatiq-reliable dead-letters`` command is a thin layer over it.
 
 >>> broker = OutboxBroker(url=..., database=..., middleware=[..., DeadLetters(), ClassifiedRetries()])
 ... # doctest: +SKIP
->>> store = DeadLetterStore.from_broker(broker)                          # doctest: +SKIP
+>>> store = PostgresDeadLetterStore.from_broker(broker)                          # doctest: +SKIP
 >>> store.replay(where=DeadLetterFilter(actor_name="send_receipt"))      # doctest: +SKIP
 ReplayResult(replayed=12, too_old=0, problems={})
 
@@ -25,8 +25,9 @@ Every new dead letter is announced with ``NOTIFY`` on the channel ``"<schema>.de
 ``fingerprint``) and passed to the ``on_dead_letter`` callable, so the person on call hears of it.
 """
 
-from .analysis import Culprit, find_culprit, fingerprint, format_traceback
+from .analysis import Culprit, Failure, find_culprit, fingerprint, format_traceback
 from .middleware import DeadLetters
+from .protocol import DeadLetterStore
 from .records import (
     DEFAULT_REPLAY_MAX_AGE_MS,
     DEFAULT_RETENTION_MS,
@@ -47,7 +48,8 @@ from .records import (
     ReplayResult,
     notify_channel,
 )
-from .store import DeadLetterStore
+from .store import PostgresDeadLetterStore
+from .xq import ImportResult, import_xq
 
 __all__ = [
     "DEFAULT_REPLAY_MAX_AGE_MS",
@@ -68,10 +70,14 @@ __all__ = [
     "DeadLettersDiscarded",
     "DeadLettersReplayed",
     "DiscardResult",
+    "Failure",
+    "ImportResult",
+    "PostgresDeadLetterStore",
     "PurgeResult",
     "ReplayResult",
     "find_culprit",
     "fingerprint",
     "format_traceback",
+    "import_xq",
     "notify_channel",
 ]

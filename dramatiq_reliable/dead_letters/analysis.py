@@ -224,7 +224,10 @@ def _as_int(value: Any) -> int | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Failure:
+class Failure:
+    """What a store writes for one dead message: computed from it by the middleware (or from an
+    ``.XQ`` body by the import), so every store stores the same thing."""
+
     message_id: str
     queue_name: str
     actor_name: str
@@ -274,7 +277,7 @@ def _describe_failure(
     prior_retries: int | None,
     throws: Any,
     max_traceback_chars: int,
-) -> _Failure:
+) -> Failure:
     """Everything about a dead message that the worker knows and RabbitMQ's ``.XQ`` copy does not.
 
     ``ran``: the actor ran in this delivery; ``prior_retries``: ``options["retries"]`` as the
@@ -326,7 +329,7 @@ def _describe_failure(
     sent_ms = _as_int(replay_of.get("sent_at_ms")) if isinstance(replay_of, Mapping) else None
     if sent_ms is None:
         sent_ms = _as_int(data.get("message_timestamp")) or int(time.time() * 1000)
-    return _Failure(
+    return Failure(
         message_id=_clean_text(message_id),
         queue_name=_clean_text(queue_name),
         actor_name=_clean_text(actor_name),
@@ -398,3 +401,53 @@ def _isinstance(exception: BaseException, throws: Any) -> bool:
         return isinstance(exception, throws)
     except TypeError:  # a malformed throws option
         return False
+
+
+_LAST_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<message>.*))?$")
+
+
+def _describe_imported(data: Mapping[str, Any], *, max_traceback_chars: int = 64 * 1024) -> Failure:
+    """A dead letter from a message body found in RabbitMQ's ``.XQ`` queue: whatever it holds.
+
+    The body is the message as last published, so its ``retries``, ``traceback`` (Dramatiq's
+    retry middleware copies it into the options) and ``retry_decision`` may be those of an
+    earlier attempt; the error type and message are read from the traceback's last line.
+    """
+    options: Mapping[str, Any] = data.get("options") or {}
+    traceback_text = options.get("traceback") if isinstance(options.get("traceback"), str) else ""
+    error_type: str | None = None
+    error_message = "no error was recorded in the message found in .XQ"
+    lines = [line for line in (traceback_text or "").strip().splitlines() if line.strip()]
+    if lines and (match := _LAST_LINE.match(lines[-1].strip())):
+        error_type = _clean_text(match["type"])[:_MAX_NAME_CHARS]
+        error_message = _clip(_clean_text(match["message"] or ""), _MAX_ERROR_MESSAGE_CHARS)
+    decision = options.get("retry_decision")
+    message_json, exact = _json_text(data)
+    replay_of = options.get("replay_of")
+    sent_ms = _as_int(replay_of.get("sent_at_ms")) if isinstance(replay_of, Mapping) else None
+    return Failure(
+        message_id=_clean_text(str(data.get("message_id"))),
+        queue_name=_clean_text(q_name(str(data.get("queue_name")))),
+        actor_name=_clean_text(str(data.get("actor_name"))),
+        message_json=message_json,
+        exact=exact,
+        error_type=error_type,
+        error_message=error_message,
+        traceback=_clip(_clean_text(traceback_text or ""), max_traceback_chars),
+        attempts=_as_int(options.get("retries")) or 0,
+        reason="imported_from_xq",
+        http_status=_as_int(decision.get("http_status")) if isinstance(decision, Mapping) else None,
+        retry_decision=decision if isinstance(decision, Mapping) else None,
+        fingerprint=fingerprint(error_type, None),
+        culprit=None,
+        sent_ms=sent_ms or _as_int(data.get("message_timestamp")) or int(time.time() * 1000),
+        first_failed_ms=_as_int(options.get(FIRST_FAILURE_OPTION)),
+    )
+
+
+def _replayed_from(data: Mapping[str, Any]) -> int:
+    """The dead letter a message was replayed from (0 if never): its death is new if no row of
+    its message id is newer than that one."""
+    options = data.get("options") or {}
+    replay_of = options.get("replay_of") if isinstance(options, Mapping) else None
+    return (_as_int(replay_of.get("dead_letter_id")) or 0) if isinstance(replay_of, Mapping) else 0

@@ -19,9 +19,10 @@ import psycopg
 
 from .. import _sql
 from .._util import first_line, redact
+from ..classify import is_connection_failure
 from ..database import Database
 
-__all__ = ["is_connection_failure", "write_within"]
+__all__ = ["write_within"]
 
 logger = logging.getLogger("dramatiq_reliable.dead_letters")
 
@@ -29,16 +30,6 @@ T = TypeVar("T")
 
 _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 1.0
-
-
-def is_connection_failure(error: BaseException) -> bool:
-    """Whether ``error`` says the connection failed, not the statement: an ``OperationalError``
-    with no SQLSTATE (refused, reset, closed, a pool that gave none in time) or of class ``08``
-    (connection exception) or ``57P`` (the server is shutting down or restarting)."""
-    if not isinstance(error, psycopg.OperationalError):
-        return False
-    state = getattr(error, "sqlstate", None)
-    return state is None or state.startswith(("08", "57P"))
 
 
 def write_within(database: Database, schema: str, timeout_ms: int, work: Callable[[psycopg.Connection[Any]], T]) -> T:

@@ -23,6 +23,7 @@ from ..errors import ConfigurationError
 from ..outbox.broker import OutboxBroker
 from ..postgres.broker import PostgresBroker
 from .analysis import _as_int, _describe_failure
+from .protocol import DeadLetterStore
 from .records import (
     _PRIOR_ATTR,
     _RAN_ATTR,
@@ -32,7 +33,7 @@ from .records import (
     DeadLetterCaptureFailed,
     notify_channel,
 )
-from .store import DeadLetterStore
+from .store import PostgresDeadLetterStore
 
 logger = logging.getLogger("dramatiq_reliable.dead_letters")
 
@@ -73,6 +74,8 @@ class DeadLetters(Middleware):
       timeout_ms: longest wait for a pooled connection (when this middleware owns the pool) and
         for the insert, so an outage delays a nack by at most about this long.
       max_traceback_chars: longer tracebacks keep their head and tail.
+      store: a :class:`~.protocol.DeadLetterStore` to write to instead of Postgres, e.g.
+        ``dramatiq_reliable.testing.InMemoryDeadLetterStore()`` in unit tests under ``StubBroker``.
 
     >>> broker = OutboxBroker(url=..., database=..., middleware=build_middleware(  # doctest: +SKIP
     ...     middleware=[AgeLimit(), TimeLimit(), ShutdownNotifications(), Idempotency(),
@@ -88,7 +91,10 @@ class DeadLetters(Middleware):
         on_dead_letter: Callable[[DeadLetter], None] | None = None,
         timeout_ms: int = 5000,
         max_traceback_chars: int = 64 * 1024,
+        store: DeadLetterStore | None = None,
     ) -> None:
+        if store is not None and (database is not None or schema is not None):
+            raise ConfigurationError("pass store= or database=/schema= to DeadLetters, not both")
         if schema is not None:
             notify_channel(schema)
         if on_dead_letter is not None and not callable(on_dead_letter):
@@ -110,7 +116,7 @@ class DeadLetters(Middleware):
         self._owned_database: Database | None = None
         if database is not None and not isinstance(database, Database):
             self._owned_database = Database.of(database, max_size=4, timeout_ms=timeout_ms)
-        self._store: DeadLetterStore | None = None
+        self._store: DeadLetterStore | None = store
         self._lock = threading.Lock()
 
     def store(self, broker: Broker) -> DeadLetterStore:
@@ -132,7 +138,7 @@ class DeadLetters(Middleware):
                     )
                 else:
                     schema_name = self.schema or _sql.DEFAULT_SCHEMA
-                self._store = DeadLetterStore(database=database, schema=schema_name, replay_to=replay_to)
+                self._store = PostgresDeadLetterStore(database=database, schema=schema_name, replay_to=replay_to)
             return self._store
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -147,8 +153,7 @@ class DeadLetters(Middleware):
     def _check_at_boot(self, broker: Broker) -> None:
         try:
             store = self.store(broker)
-            with store.database.connection() as conn:
-                store._check_ready(conn)
+            store.check_ready()
         except Exception as error:
             logger.critical(
                 "dead letters will NOT be stored in Postgres (%s: %s); failed messages go only to RabbitMQ's "
@@ -220,7 +225,7 @@ class DeadLetters(Middleware):
                     "letter stores a readable copy, and a replay would send that copy",
                     message_id,
                 )
-            dead_letter = self.store(broker)._store(failure, timeout_ms=self.timeout_ms)
+            dead_letter = self.store(broker).save(failure, timeout_ms=self.timeout_ms)
         except Exception as error:
             logger.critical(
                 "dead letter of message %s (actor %r, queue %r) was NOT stored in Postgres: %s: %s; "

@@ -124,7 +124,7 @@ class DeadLetterFilter:
 @dataclasses.dataclass(frozen=True)
 class DeadLetter:
     """One dead letter.  ``message``, ``traceback`` and ``retry_decision`` are filled by
-    :meth:`DeadLetterStore.get` and at capture; listings leave them ``None`` (and shorten
+    :meth:`PostgresDeadLetterStore.get` and at capture; listings leave them ``None`` (and shorten
     ``error_message``) to stay fast."""
 
     id: int

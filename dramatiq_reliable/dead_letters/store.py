@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import os
 import socket
@@ -13,6 +14,8 @@ from typing import Any, Literal
 
 import psycopg
 from dramatiq.common import q_name
+from psycopg import sql
+from psycopg.rows import class_row
 
 from .. import _sql, events, schema
 from .._util import check_ms as _check_ms
@@ -21,7 +24,7 @@ from ..errors import ConfigurationError
 from ..outbox.binding import bound_connection
 from ..outbox.broker import OutboxBroker
 from ..postgres.broker import PostgresBroker
-from .analysis import _clean_text, _Failure
+from .analysis import Failure, _clean_text
 from .connect import write_within
 from .records import (
     _DEFAULT_BATCH,
@@ -58,7 +61,19 @@ from .validators import (
 )
 
 
-class DeadLetterStore:
+@functools.lru_cache(maxsize=256)
+def _query(name: str, schema_name: str) -> sql.Composed:
+    """``sql/<name>.sql`` with ``{schema}`` quoted and ``{filter}`` replaced by the one shared
+    filter block, ``dead_letters_filter.sql`` (its comment lines dropped: they would swallow the
+    rest of the line they are composed into)."""
+    text = _sql.read(name)
+    if "{filter}" not in text:
+        return _sql.query(name, schema_name)
+    block = " ".join(line for line in _sql.read("dead_letters_filter").splitlines() if not line.startswith("--"))
+    return sql.SQL(text).format(schema=sql.Identifier(schema_name), filter=sql.SQL(block.strip()))
+
+
+class PostgresDeadLetterStore:
     """Reads and maintains the ``dead_letters`` table: list, show, group, replay, discard, purge.
 
     Parameters:
@@ -104,12 +119,12 @@ class DeadLetterStore:
         self._ready = False
 
     @classmethod
-    def from_broker(cls, broker: OutboxBroker | PostgresBroker, **options: Any) -> DeadLetterStore:
+    def from_broker(cls, broker: OutboxBroker | PostgresBroker, **options: Any) -> PostgresDeadLetterStore:
         """A store on ``broker``'s pool and schema (replaying onto its queues for a ``PostgresBroker``)."""
         if not isinstance(broker, (OutboxBroker, PostgresBroker)):
             raise ConfigurationError(
-                f"DeadLetterStore.from_broker() needs an OutboxBroker or a PostgresBroker, got {type(broker).__name__!r}; "
-                "build DeadLetterStore(database=...) instead"
+                f"PostgresDeadLetterStore.from_broker() needs an OutboxBroker or a PostgresBroker, "
+                f"got {type(broker).__name__!r}; build PostgresDeadLetterStore(database=...) instead"
             )
         if isinstance(broker, PostgresBroker):
             options.setdefault("replay_to", "queue")
@@ -121,7 +136,7 @@ class DeadLetterStore:
         if self._owned:
             self.database.close()
 
-    def __enter__(self) -> DeadLetterStore:
+    def __enter__(self) -> PostgresDeadLetterStore:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -151,18 +166,25 @@ class DeadLetterStore:
             self._check_ready(pooled)
             yield pooled
 
+    def check_ready(self) -> None:
+        """Raise ``SchemaNotReady`` unless the dead-letter table exists (at worker boot)."""
+        with self.database.connection() as conn:
+            self._check_ready(conn)
+
     def _check_ready(self, conn: psycopg.Connection[Any]) -> None:
         if not self._ready:
             required = schema.QUEUE_VERSION if self.replay_to == "queue" else schema.DEAD_LETTERS_VERSION
             schema.ensure_ready(conn, schema=self.schema, required=required, feature="dead letters")
             self._ready = True
 
-    def _query(self, name: str) -> Any:
-        return _sql.query(name, self.schema)
+    def _query(self, name: str) -> sql.Composed:
+        return _query(name, self.schema)
 
     # -- capture -------------------------------------------------------------------------------
 
-    def _store(self, failure: _Failure, *, timeout_ms: int) -> DeadLetter:
+    def save(self, failure: Failure, *, timeout_ms: int) -> DeadLetter:
+        """Write (or refresh) the dead letter of ``failure``; see :func:`.connect.write_within`."""
+
         def insert(conn: psycopg.Connection[Any]) -> tuple[Any, ...] | None:
             self._check_ready(conn)
             return (
@@ -198,14 +220,22 @@ class DeadLetterStore:
             retry_decision=failure.retry_decision,
         )
 
+    def save_imported(self, failure: Failure, *, after_id: int) -> int | None:
+        """Insert a dead letter moved from ``.XQ`` unless its death has a row; its id, or ``None``."""
+        with self._transaction(None) as conn:
+            params = {**failure.params(self.channel), "after_id": after_id}
+            row = _sql.tuples(conn).execute(self._query("dead_letters_import"), params).fetchone()
+        return int(row[0]) if row else None
+
     # -- reading -------------------------------------------------------------------------------
 
     def get(self, dead_letter_id: int) -> DeadLetter | None:
         """One dead letter with its message, traceback and retry decision, in any state."""
         _check_id(dead_letter_id)
         with self._transaction(None) as conn:
-            row = _sql.tuples(conn).execute(self._query("dead_letters_get"), {"id": dead_letter_id}).fetchone()
-        return _record(row, full=True) if row else None
+            # Columns map to DeadLetter's fields by name, never by position.
+            cursor = conn.cursor(row_factory=class_row(DeadLetter))
+            return cursor.execute(self._query("dead_letters_get"), {"id": dead_letter_id}).fetchone()
 
     def list(
         self,
@@ -229,8 +259,8 @@ class DeadLetterStore:
         params = {**where.params(), "state": state, "before_at": before_at, "before_id": before_id, "limit": limit}
         with self._transaction(None) as conn:
             # prepare=False: planned with the actual values, so unused filters fold away.
-            rows = _sql.tuples(conn).execute(self._query("dead_letters_list"), params, prepare=False).fetchall()
-        items = tuple(_record(row, full=False) for row in rows)
+            rows = conn.cursor(row_factory=class_row(DeadLetter))
+            items = tuple(rows.execute(self._query("dead_letters_list"), params, prepare=False).fetchall())
         next_cursor = _encode_cursor(items[-1].last_failed_at, items[-1].id) if len(items) == limit else None
         return DeadLetterPage(items, next_cursor)
 
@@ -277,34 +307,16 @@ class DeadLetterStore:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
             raise ConfigurationError(f"limit must be an int from 1 to 10000, got {limit!r}")
         with self._transaction(None) as conn:
-            rows = (
-                _sql.tuples(conn)
-                .execute(self._query("dead_letters_stats"), {**where.params(), "limit": limit}, prepare=False)
-                .fetchall()
-            )
-        return tuple(
-            DeadLetterGroup(
-                fingerprint=row[0],
-                count=row[1],
-                actors=row[2],
-                first_failed_at=row[3],
-                last_failed_at=row[4],
-                error_type=row[5],
-                culprit=row[6],
-                actor_name=row[7],
-                queue_name=row[8],
-                error_message=row[9],
-                latest_id=row[10],
-            )
-            for row in rows
-        )
+            cursor = conn.cursor(row_factory=class_row(DeadLetterGroup))
+            query = self._query("dead_letters_stats")
+            return tuple(cursor.execute(query, {**where.params(), "limit": limit}, prepare=False).fetchall())
 
     def counts(self) -> tuple[DeadLetterCount, ...]:
         """Dead letters (state ``dead``) by actor and error type, biggest first: for status
         pages, alert rules and metrics gauges."""
         with self._transaction(None) as conn:
-            rows = _sql.tuples(conn).execute(self._query("dead_letters_counts")).fetchall()
-        return tuple(DeadLetterCount(row[0], row[1], row[2], row[3], row[4]) for row in rows)
+            cursor = conn.cursor(row_factory=class_row(DeadLetterCount))
+            return tuple(cursor.execute(self._query("dead_letters_counts")).fetchall())
 
     # -- replay and discard --------------------------------------------------------------------
 
@@ -525,33 +537,3 @@ class DeadLetterStore:
             total += deleted
             if deleted < batch:
                 return total
-
-
-def _record(row: Sequence[Any], *, full: bool) -> DeadLetter:
-    return DeadLetter(
-        id=row[0],
-        message_id=row[1],
-        queue_name=row[2],
-        actor_name=row[3],
-        error_type=row[4],
-        error_message=row[5],
-        attempts=row[6],
-        reason=row[7],
-        http_status=row[8],
-        fingerprint=row[9],
-        culprit=row[10],
-        state=row[11],
-        sent_at=row[12],
-        first_failed_at=row[13],
-        last_failed_at=row[14],
-        worker_host=row[15],
-        worker_pid=row[16],
-        captures=row[17],
-        handled_at=row[18],
-        handled_by=row[19],
-        note=row[20],
-        replayed_to=row[21],
-        message=row[22] if full else None,
-        traceback=row[23] if full else None,
-        retry_decision=row[24] if full else None,
-    )

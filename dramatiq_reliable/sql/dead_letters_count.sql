@@ -8,9 +8,4 @@ SELECT count(*),
 FROM {schema}.dead_letters
 WHERE (%(state)s::text IS NULL OR state = %(state)s::text)
   AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-  AND (%(actor_name)s::text IS NULL OR actor_name = %(actor_name)s::text)
-  AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s::text)
-  AND (%(error_type)s::text IS NULL OR error_type = %(error_type)s::text)
-  AND (%(fingerprint)s::text IS NULL OR fingerprint = %(fingerprint)s::text)
-  AND (%(since)s::timestamptz IS NULL OR last_failed_at >= %(since)s::timestamptz)
-  AND (%(until)s::timestamptz IS NULL OR last_failed_at < %(until)s::timestamptz)
+  AND {filter}

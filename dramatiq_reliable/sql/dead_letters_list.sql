@@ -1,17 +1,12 @@
 -- Newest first, keyset-paginated on (last_failed_at, id).  Every filter is "NULL or equal": run
 -- unprepared, Postgres plans with the actual values, folds the unused filters away and picks the
 -- partial index of the one in use.
-SELECT id, message_id, queue_name, actor_name, error_type, left(error_message, 500), attempts, reason,
+SELECT id, message_id, queue_name, actor_name, error_type, left(error_message, 500) AS error_message, attempts, reason,
        http_status, fingerprint, culprit, state, sent_at, first_failed_at, last_failed_at,
        worker_host, worker_pid, captures, handled_at, handled_by, note, replayed_to
 FROM {schema}.dead_letters
 WHERE (%(state)s::text IS NULL OR state = %(state)s::text)
-  AND (%(actor_name)s::text IS NULL OR actor_name = %(actor_name)s::text)
-  AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s::text)
-  AND (%(error_type)s::text IS NULL OR error_type = %(error_type)s::text)
-  AND (%(fingerprint)s::text IS NULL OR fingerprint = %(fingerprint)s::text)
-  AND (%(since)s::timestamptz IS NULL OR last_failed_at >= %(since)s::timestamptz)
-  AND (%(until)s::timestamptz IS NULL OR last_failed_at < %(until)s::timestamptz)
+  AND {filter}
   AND (%(before_at)s::timestamptz IS NULL
        OR (last_failed_at, id) < (%(before_at)s::timestamptz, %(before_id)s::bigint))
 ORDER BY last_failed_at DESC, id DESC

@@ -9,18 +9,15 @@ WITH groups AS (
            max(id) AS latest_id
     FROM {schema}.dead_letters
     WHERE state = 'dead'
-      AND (%(actor_name)s::text IS NULL OR actor_name = %(actor_name)s::text)
-      AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s::text)
-      AND (%(error_type)s::text IS NULL OR error_type = %(error_type)s::text)
-      AND (%(fingerprint)s::text IS NULL OR fingerprint = %(fingerprint)s::text)
-      AND (%(since)s::timestamptz IS NULL OR last_failed_at >= %(since)s::timestamptz)
-      AND (%(until)s::timestamptz IS NULL OR last_failed_at < %(until)s::timestamptz)
+      AND {filter}
     GROUP BY fingerprint
     ORDER BY dead DESC, last_failed_at DESC
     LIMIT %(limit)s
 )
-SELECT g.fingerprint, g.dead, g.actors, g.first_failed_at, g.last_failed_at,
-       d.error_type, d.culprit, d.actor_name, d.queue_name, left(d.error_message, 500), d.id
+-- Column names are DeadLetterGroup's fields: rows map to it by name.
+SELECT g.fingerprint, g.dead AS count, g.actors, g.first_failed_at, g.last_failed_at,
+       d.error_type, d.culprit, d.actor_name, d.queue_name, left(d.error_message, 500) AS error_message,
+       d.id AS latest_id
 FROM groups AS g
 JOIN {schema}.dead_letters AS d ON d.id = g.latest_id
 ORDER BY g.dead DESC, g.last_failed_at DESC

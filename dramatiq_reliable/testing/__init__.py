@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 
 from ..outbox.broker import OutboxBroker
 from ..outbox.relay import Relay
+from .dead_letters import InMemoryDeadLetterStore
 
-__all__ = ["drain_outbox", "wait_for"]
+__all__ = ["InMemoryDeadLetterStore", "drain_outbox", "wait_for"]
 
 T = TypeVar("T")
 

@@ -30,7 +30,7 @@ from dramatiq_reliable.dead_letters import (
     DeadLetterFilter,
     DeadLetters,
     DeadLettersReplayed,
-    DeadLetterStore,
+    PostgresDeadLetterStore,
     notify_channel,
 )
 from dramatiq_reliable.testing import drain_outbox, wait_for
@@ -359,7 +359,7 @@ def test_replay_by_id_and_by_filter_runs_the_jobs_again_through_the_outbox_with_
     make_broker, run_worker, queue_name, db, db_schema
 ):
     broker = make_broker(*_middleware(DeadLetters(), extra=[CurrentMessage()]))
-    store = DeadLetterStore.from_broker(broker)
+    store = PostgresDeadLetterStore.from_broker(broker)
     fixed = threading.Event()
     runs: list[tuple[str, str, dict[str, Any]]] = []
 
@@ -400,7 +400,7 @@ def test_replay_by_id_and_by_filter_runs_the_jobs_again_through_the_outbox_with_
 
 
 def test_a_replay_in_a_transaction_that_rolls_back_changes_nothing(broker, db, db_schema):
-    store = DeadLetterStore.from_broker(broker)
+    store = PostgresDeadLetterStore.from_broker(broker)
     stored = _capture(broker)
     with pytest.raises(RuntimeError, match="changed my mind"), broker.transaction():
         assert store.replay(ids=[stored.id]).replayed == 1
@@ -411,7 +411,7 @@ def test_a_replay_in_a_transaction_that_rolls_back_changes_nothing(broker, db, d
 
 
 def test_a_dead_letter_is_replayed_at_most_once_even_by_concurrent_replays(broker, database_url, db, db_schema):
-    store = DeadLetterStore.from_broker(broker)
+    store = PostgresDeadLetterStore.from_broker(broker)
     stored = _capture(broker)
     with psycopg.connect(database_url) as conn:
         assert store.replay(ids=[stored.id], conn=conn).replayed == 1  # not committed yet
@@ -423,7 +423,7 @@ def test_a_dead_letter_is_replayed_at_most_once_even_by_concurrent_replays(broke
 
 
 def test_replaying_an_old_dead_letter_is_refused_unless_forced(broker, db, db_schema):
-    store = DeadLetterStore.from_broker(broker)
+    store = PostgresDeadLetterStore.from_broker(broker)
     old = _capture(broker, sent_days_ago=21)
     fresh = _capture(broker)
 
@@ -438,7 +438,7 @@ def test_replaying_an_old_dead_letter_is_refused_unless_forced(broker, db, db_sc
 
 
 def test_a_replay_can_go_to_another_queue_later_and_decodes_as_a_dramatiq_message(broker, db, db_schema):
-    store = DeadLetterStore.from_broker(broker)
+    store = PostgresDeadLetterStore.from_broker(broker)
     stored = _capture(broker, options={"retries": 5, "traceback": "...", "trace_context": {"traceparent": "00-ab"}})
     before = int(time.time() * 1000)
     assert store.replay(ids=[stored.id], queue_name="repair", delay_ms=60_000).replayed == 1
@@ -456,7 +456,7 @@ def test_a_replay_can_go_to_another_queue_later_and_decodes_as_a_dramatiq_messag
 
 
 def test_a_replayed_job_that_dies_again_keeps_its_original_age(broker, db, db_schema, seen_events):
-    store = DeadLetterStore.from_broker(broker)
+    store = PostgresDeadLetterStore.from_broker(broker)
     old = _capture(broker, sent_days_ago=3)
     store.replay(ids=[old.id])
     [(_, _, body, _)] = _outbox(db, db_schema)
@@ -468,7 +468,7 @@ def test_a_replayed_job_that_dies_again_keeps_its_original_age(broker, db, db_sc
 
 
 def test_drain_outbox_publishes_a_replay_to_the_queue(broker, queue_name, rabbit):
-    store = DeadLetterStore.from_broker(broker)
+    store = PostgresDeadLetterStore.from_broker(broker)
     stored = _capture(broker, queue_name=queue_name)
     store.replay(ids=[stored.id])
     assert drain_outbox(broker) == 1
@@ -488,7 +488,7 @@ def _fails_in_render() -> None:
 
 
 def test_stats_group_a_thousand_failures_of_one_bug_into_one_row(broker, db_schema):
-    store = DeadLetterStore.from_broker(broker)
+    store = PostgresDeadLetterStore.from_broker(broker)
     for n in range(5):
         try:
             _fails_in_charge()
@@ -512,7 +512,7 @@ def test_stats_group_a_thousand_failures_of_one_bug_into_one_row(broker, db_sche
 
 
 def test_listing_filters_and_pages_without_gaps_or_repeats(broker, db, db_schema):
-    store = DeadLetterStore.from_broker(broker)
+    store = PostgresDeadLetterStore.from_broker(broker)
     stored = [_capture(broker, actor_name=f"a{n % 3}", queue_name=f"q{n % 2}") for n in range(12)]
     db.execute(
         sql.SQL("UPDATE {}.dead_letters SET last_failed_at = last_failed_at - interval '2 days' WHERE id = %s").format(
@@ -547,7 +547,7 @@ def test_listing_filters_and_pages_without_gaps_or_repeats(broker, db, db_schema
 
 
 def test_discard_keeps_an_audit_trail_and_purge_removes_handled_and_expired_rows(broker, db, db_schema):
-    store = DeadLetterStore.from_broker(broker)
+    store = PostgresDeadLetterStore.from_broker(broker)
     keep, drop, expired = _capture(broker), _capture(broker, actor_name="welcome_email"), _capture(broker)
     result = store.discard(where=DeadLetterFilter(actor_name="welcome_email"), note="sent by hand", by="ada")
     assert result.discarded == 1
@@ -568,7 +568,7 @@ def test_discard_keeps_an_audit_trail_and_purge_removes_handled_and_expired_rows
 
 
 def test_bulk_replay_reports_progress_batch_by_batch(broker, db_schema):
-    store = DeadLetterStore.from_broker(broker, batch_size=2)
+    store = PostgresDeadLetterStore.from_broker(broker, batch_size=2)
     for _ in range(5):
         _capture(broker)
     progress: list[tuple[int, int]] = []
@@ -583,11 +583,11 @@ def test_store_and_middleware_refuse_bad_arguments_with_the_fix(broker):
     from dramatiq_reliable import ConfigurationError
 
     with pytest.raises(TypeError, match="database"):
-        DeadLetterStore()  # type: ignore[call-arg]
+        PostgresDeadLetterStore()  # type: ignore[call-arg]
     with pytest.raises(ConfigurationError, match="where=DeadLetterFilter"):
-        DeadLetterStore.from_broker(broker).replay()
+        PostgresDeadLetterStore.from_broker(broker).replay()
     with pytest.raises(ConfigurationError, match="canonical"):
-        DeadLetterStore.from_broker(broker).replay(ids=[1], queue_name="q.XQ")
+        PostgresDeadLetterStore.from_broker(broker).replay(ids=[1], queue_name="q.XQ")
     with pytest.raises(ConfigurationError, match="longer than 50 bytes"):
         DeadLetters(schema="s" * 52)
     with pytest.raises(ConfigurationError, match="callable"):

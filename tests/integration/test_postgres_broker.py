@@ -17,11 +17,11 @@ from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq_reliable import (
     ClassifiedRetries,
     DeadLetters,
-    DeadLetterStore,
     Idempotency,
     NotBound,
     PayloadError,
     PostgresBroker,
+    PostgresDeadLetterStore,
     bind,
     build_middleware,
     job_connection,
@@ -282,7 +282,7 @@ def test_a_failed_message_lands_in_dead_letters_and_replays_onto_the_queue(
             broken.send(5)
             broker.join(qname, timeout=10_000)
             assert rows(db, db_schema, qname) == []  # stored in dead_letters, so no .XQ row
-            store = DeadLetterStore.from_broker(broker)
+            store = PostgresDeadLetterStore.from_broker(broker)
             assert store.replay_to == "queue"
             (dead,) = store.list().items
             result = store.replay(ids=[dead.id])

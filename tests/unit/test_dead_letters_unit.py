@@ -22,7 +22,7 @@ from dramatiq_reliable.dead_letters import (
     Culprit,
     DeadLetterFilter,
     DeadLetters,
-    DeadLetterStore,
+    PostgresDeadLetterStore,
     find_culprit,
     fingerprint,
     format_traceback,
@@ -310,11 +310,11 @@ def test_filters_refuse_naive_times_and_empty_ranges():
 
 def test_the_store_and_middleware_name_the_fix_for_bad_arguments():
     with pytest.raises(ConfigurationError, match="database= must be a Postgres URL, a psycopg_pool.ConnectionPool"):
-        DeadLetterStore(database=object())  # type: ignore[arg-type]
+        PostgresDeadLetterStore(database=object())  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="replay_max_age_ms"):
-        DeadLetterStore(database="postgresql://x@localhost/x", replay_max_age_ms=-1)
+        PostgresDeadLetterStore(database="postgresql://x@localhost/x", replay_max_age_ms=-1)
     with pytest.raises(ConfigurationError, match="batch_size"):
-        DeadLetterStore(database="postgresql://x@localhost/x", batch_size=0)
+        PostgresDeadLetterStore(database="postgresql://x@localhost/x", batch_size=0)
     with pytest.raises(ConfigurationError, match="database= must be a Postgres URL"):
         DeadLetters(database=object())  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="timeout_ms"):
