@@ -15,13 +15,13 @@ import dramatiq
 import pika
 import psycopg
 import pytest
-from dramatiq.common import dq_name, xq_name
+from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from support import Otel, Rabbit, status_server
+from support import Otel, QueueJanitor, Rabbit, new_queue_name, status_server
 
 from dramatiq_reliable import OutboxBroker, schema
 
@@ -86,12 +86,39 @@ def rabbit(rabbitmq_url: str) -> Iterator[Rabbit]:
     reader.close()
 
 
+@pytest.fixture(autouse=True)
+def queues(monkeypatch: pytest.MonkeyPatch) -> Iterator[QueueJanitor]:
+    """Every queue the test declares, deleted with its .DQ/.XQ afterwards, even when the test failed.
+
+    Dramatiq's RabbitMQ broker creates a queue (and its .DQ and .XQ) on the server in one place,
+    ``_ensure_queue``; recording there catches workers, relays and publishers alike.  Queues
+    declared by subprocesses are the ``queue_name`` fixture's, registered here too.
+    """
+    janitor = QueueJanitor(RABBITMQ_URL)
+    ensure = RabbitmqBroker._ensure_queue
+
+    def recording(self: RabbitmqBroker, canonical_queue_name: str) -> Any:
+        janitor.add(canonical_queue_name)  # before the declare: a half-declared queue is cleaned too
+        return ensure(self, canonical_queue_name)
+
+    monkeypatch.setattr(RabbitmqBroker, "_ensure_queue", recording)
+    yield janitor
+    foreign = janitor.foreign()
+    janitor.clean()
+    if foreign:
+        pytest.fail(
+            f"the test declared {foreign} in the shared vhost, which it may not delete; "
+            "name its queues from the queue_name fixture (or derive them from it)",
+            pytrace=False,
+        )
+
+
 @pytest.fixture
-def queue_name(rabbit: Rabbit) -> Iterator[str]:
+def queue_name(rabbitmq_url: str, queues: QueueJanitor) -> str:
     """A queue name of the test's own; the queue and its .DQ/.XQ are deleted afterwards."""
-    name = f"q_{uuid.uuid4().hex[:12]}"
-    yield name
-    rabbit.delete(name, dq_name(name), xq_name(name))
+    name = new_queue_name()
+    queues.add(name)
+    return name
 
 
 @pytest.fixture

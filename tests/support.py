@@ -5,33 +5,89 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, urlparse, urlsplit, urlunsplit
 
+import dramatiq.common
 import pika
+import psycopg
+from dramatiq.common import dq_name, xq_name
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+_DEFAULT_PORTS = {"postgresql": 5432, "postgres": 5432, "amqp": 5672, "amqps": 5671}
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released): connecting to it is refused."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def server_address(url: str) -> tuple[str, int]:
+    """The ``(host, port)`` a Postgres or AMQP URL (or a libpq ``key=value`` string) connects to."""
+    if "://" not in url:
+        params = psycopg.conninfo.conninfo_to_dict(url)
+        return str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432)
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or _DEFAULT_PORTS[parts.scheme]
+
+
+def proxied(url: str, port: int, **query: str) -> str:
+    """``url`` pointed at ``127.0.0.1:port`` instead of its server: user, password, database or
+    vhost and query are kept (so tests honour ``DATABASE_URL``/``RABBITMQ_URL``); ``query``
+    adds or replaces query parameters (``connect_timeout="2"``, ``connection_attempts="1"``).
+
+    >>> proxied("postgresql://app:pw@db:5433/shop?sslmode=disable", 4000)
+    'postgresql://app:pw@127.0.0.1:4000/shop?sslmode=disable'
+    >>> proxied("amqp://guest:guest@mq/dr_alt", 4001, connection_attempts="1")
+    'amqp://guest:guest@127.0.0.1:4001/dr_alt?connection_attempts=1'
+    """
+    if "://" not in url:  # a libpq key=value string
+        params = psycopg.conninfo.conninfo_to_dict(url)
+        params.pop("hostaddr", None)
+        params.update(query, host="127.0.0.1", port=str(port))
+        return psycopg.conninfo.make_conninfo("", **params)
+    parts = urlsplit(url)
+    userinfo, at, _host = parts.netloc.rpartition("@")
+    pairs = [pair for pair in parts.query.split("&") if pair and pair.split("=", 1)[0] not in query]
+    pairs += [f"{key}={value}" for key, value in query.items()]
+    netloc = f"{userinfo}{at}127.0.0.1:{port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "&".join(pairs), parts.fragment))
+
 
 class TcpProxy:
     """Forwards a local port to ``target``; ``stop()`` closes the port and cuts live connections.
 
     Tests simulate an outage of Postgres or RabbitMQ with this, never by stopping the server.
+    ``TcpProxy.to(url)`` targets the server ``url`` names, and ``proxy.url`` is ``url`` through
+    the proxy (same user, database or vhost, query).
     """
+
+    @classmethod
+    def to(cls, url: str, **query: str) -> TcpProxy:
+        """A proxy (not started) in front of the server of ``url``; ``.url`` connects through it."""
+        proxy = cls(*server_address(url))
+        proxy.url = proxied(url, proxy.port, **query)
+        return proxy
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
+        self.url = ""
         self._server: socket.socket | None = None
         self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -102,6 +158,14 @@ class Rabbit:
             self.channel = self.connection.channel()
             return 0
 
+    def exists(self, queue: str) -> bool:
+        try:
+            self.channel.queue_declare(queue=queue, passive=True)
+        except pika.exceptions.ChannelClosedByBroker:
+            self.channel = self.connection.channel()
+            return False
+        return True
+
     def take_all(self, queue: str, *, expect: int | None = None, idle_s: float = 0.5) -> list[dict[str, Any]]:
         """Consume (and ack) every message in ``queue``; decoded Dramatiq bodies.
 
@@ -140,6 +204,57 @@ class Rabbit:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.connection.close()
+
+
+TEST_QUEUE = re.compile(r"q_[0-9a-f]{12}")
+
+
+def new_queue_name() -> str:
+    """A queue name of the test's own (``q_`` and 12 hex digits); names derived from it stay its own."""
+    return f"q_{uuid.uuid4().hex[:12]}"
+
+
+class QueueJanitor:
+    """Records every queue a test declares, and deletes them (with their ``.DQ`` and ``.XQ``) after it.
+
+    The shared vhost is used by other suites at the same time: only queues whose names come from
+    ``new_queue_name()`` (or are derived from one, ``f"{queue_name}_other"``) are the test's to
+    delete.  ``foreign()`` lists the others the test declared, so the fixture can fail the test.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.names: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add(self, name: str) -> None:
+        with self._lock:
+            self.names.add(dramatiq.common.q_name(name))
+
+    def foreign(self) -> list[str]:
+        """Queues the test declared that are not its own and now exist on the server."""
+        with self._lock:
+            # A name RabbitMQ refused (over 255 bytes) was never declared; nothing to ask about.
+            others = sorted(n for n in self.names if not TEST_QUEUE.match(n) and len(n.encode()) <= 255)
+        if not others:
+            return []
+        rabbit = Rabbit(self.url)
+        try:
+            return [name for name in others if rabbit.exists(name)]
+        finally:
+            rabbit.close()
+
+    def clean(self) -> None:
+        with self._lock:
+            owned = sorted(name for name in self.names if TEST_QUEUE.match(name))
+            self.names.clear()
+        if not owned:
+            return
+        rabbit = Rabbit(self.url)
+        try:
+            rabbit.delete(*(n for name in owned for n in (name, dq_name(name), xq_name(name))))
+        finally:
+            rabbit.close()
 
 
 @contextlib.contextmanager

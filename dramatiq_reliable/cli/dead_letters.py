@@ -270,7 +270,7 @@ def _show(args: argparse.Namespace) -> int:
         ("actor", item.actor_name),
         ("queue", item.queue_name),
         ("error", f"{item.error_type or '-'}: {item.error_message}"),
-        ("reason", item.reason),
+        ("reason", f"{item.reason}: {item.explanation}"),
         ("attempts", str(item.attempts)),
         ("http status", str(item.http_status) if item.http_status is not None else "-"),
         ("culprit", item.culprit or "-"),

@@ -210,11 +210,11 @@ def test_throws_unknown_actor_and_age_limit_are_each_stored_with_their_reason(
 
     rows = {row["message_id"]: row for row in _wait_dead(db, db_schema, count=3)}
     wait_for(lambda: rabbit.count(xq_name(queue_name)) == 3, timeout_ms=20000)
-    assert (rows[sent_throws.message_id]["reason"], rows[sent_throws.message_id]["attempts"]) == ("throws", 1)
+    assert (rows[sent_throws.message_id]["reason"], rows[sent_throws.message_id]["attempts"]) == ("unrecoverable", 1)
     assert rows[sent_throws.message_id]["error_type"] == "KeyError"
-    assert (rows[sent_aged.message_id]["reason"], rows[sent_aged.message_id]["attempts"]) == ("max_age", 0)
+    assert (rows[sent_aged.message_id]["reason"], rows[sent_aged.message_id]["attempts"]) == ("age_limit", 0)
     assert rows[sent_aged.message_id]["error_type"] == "dramatiq.middleware.middleware.SkipMessage"
-    assert (rows[ghost.message_id]["reason"], rows[ghost.message_id]["attempts"]) == ("actor_not_found", 0)
+    assert (rows[ghost.message_id]["reason"], rows[ghost.message_id]["attempts"]) == ("failed", 0)
     assert rows[ghost.message_id]["error_type"] == "dramatiq.errors.ActorNotFound"
     assert rows[ghost.message_id]["actor_name"] == "ghost_actor"
 
@@ -235,7 +235,7 @@ def test_a_time_limit_kill_is_stored_with_the_time_limit_error(make_broker, run_
 
     [row] = _wait_dead(db, db_schema)
     assert row["error_type"] == "dramatiq.middleware.time_limit.TimeLimitExceeded"
-    assert (row["reason"], row["attempts"]) == ("retries_exhausted", 1)
+    assert (row["reason"], row["attempts"]) == ("time_limit", 1)
     assert row["culprit"].endswith(".slow")
 
 
@@ -279,18 +279,19 @@ def test_classified_retries_decisions_are_stored_with_reason_and_http_status(
     )
     assert gone["retry_decision"]["category"] == "permanent"
     missing = rows[ids["not_found"]]
-    assert (missing["reason"], missing["attempts"], missing["http_status"]) == ("http_404", 1, 404)
+    assert (missing["reason"], missing["attempts"], missing["http_status"]) == ("unrecoverable", 1, 404)
+    assert missing["retry_decision"]["reason"] == "http_404"
     slow = rows[ids["times_out"]]
     assert (slow["reason"], slow["attempts"]) == ("retries_exhausted", 3)
     assert slow["retry_decision"]["reason"] == "timeout"
 
 
 def test_postgres_down_at_capture_still_leaves_the_message_in_the_xq_and_says_so_loudly(
-    make_broker, run_worker, queue_name, rabbit, db, db_schema, caplog, seen_events
+    database_url, make_broker, run_worker, queue_name, rabbit, db, db_schema, caplog, seen_events
 ):
-    proxy = TcpProxy("127.0.0.1", 5432).start()
+    proxy = TcpProxy.to(database_url).start()
     proxy.stop()  # an outage: connections to the proxy's port are refused
-    down = DeadLetters(database=f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres", timeout_ms=300)
+    down = DeadLetters(database=proxy.url, timeout_ms=300)
     broker = make_broker(*_middleware(down))
 
     def fails(n: int) -> None:

@@ -313,12 +313,10 @@ def test_a_worker_killed_mid_job_has_one_effect_after_redelivery(
 
 
 def test_postgres_unreachable_during_the_check_stops_the_actor_and_retries_until_it_is_back(
-    broker, queue_name, worker, db, db_schema, effects, seen
+    database_url, broker, queue_name, worker, db, db_schema, effects, seen
 ):
-    proxy = TcpProxy("127.0.0.1", 5432).start()
-    pool: ConnectionPool[Any] = ConnectionPool(
-        f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres", min_size=1, max_size=4, timeout=1, open=True
-    )
+    proxy = TcpProxy.to(database_url).start()
+    pool: ConnectionPool[Any] = ConnectionPool(proxy.url, min_size=1, max_size=4, timeout=1, open=True)
     runs: list[int] = []
     try:
         _install(broker, database=pool, schema=db_schema, connection_timeout_ms=300)

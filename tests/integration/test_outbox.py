@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 import dramatiq
-import pika
 import psycopg
 import pytest
 from dramatiq.common import dq_name, xq_name
@@ -206,10 +205,8 @@ def test_rabbitmq_unreachable_then_back_delivers_everything(broker, queue_name, 
     task = _actor(broker, queue_name)
     with broker.transaction():
         sent = [task.send(i) for i in range(200)]
-    real = pika.URLParameters(rabbitmq_url)
-    proxy = TcpProxy(real.host, real.port)  # not started yet: a closed port
-    user, password = real.credentials.username, real.credentials.password
-    url = f"amqp://{user}:{password}@127.0.0.1:{proxy.port}/%2F?connection_attempts=1"
+    proxy = TcpProxy.to(rabbitmq_url, connection_attempts="1")  # not started yet: a closed port
+    url = proxy.url
     relay = Relay(
         rabbitmq_url=url,
         database=broker.database,
@@ -340,10 +337,8 @@ def test_rabbit_reader_sees_nothing_for_an_unknown_queue(rabbit: Rabbit) -> None
 def test_a_retry_that_cannot_be_written_is_dead_lettered_in_rabbitmq_not_acked_away(
     database_url, rabbitmq_url, db_schema, queue_name, rabbit
 ):
-    real = psycopg.conninfo.conninfo_to_dict(database_url)
-    proxy = TcpProxy(str(real.get("host", "127.0.0.1")), int(real.get("port", 5432))).start()
-    proxied = psycopg.conninfo.make_conninfo(database_url, host="127.0.0.1", port=proxy.port, connect_timeout=2)
-    broker = OutboxBroker(url=rabbitmq_url, database=proxied, schema=db_schema, worker_write_timeout_ms=300)
+    proxy = TcpProxy.to(database_url, connect_timeout="2").start()
+    broker = OutboxBroker(url=rabbitmq_url, database=proxy.url, schema=db_schema, worker_write_timeout_ms=300)
 
     def fails_while_postgres_is_away() -> None:
         proxy.stop()  # Postgres becomes unreachable before Dramatiq enqueues the retry

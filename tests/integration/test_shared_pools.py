@@ -64,12 +64,24 @@ def test_a_failed_job_is_retried_and_has_one_effect_on_an_app_pool(app_pool, rab
     worker.start()
     try:
         task.send(7)
-        wait_for(lambda: len(runs) == 2, timeout_ms=30000, message="the retry never ran: its key outlived the failure")
-        row = db.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()
+
+        def effects() -> int:
+            return int(db.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()[0])
+
+        # The retry's row is visible only once its transaction committed; waiting for the retry to
+        # start (len(runs) == 2) raced that commit.  A leaked first write would also commit its key,
+        # so the retry would be skipped and this wait would fail.
+        wait_for(
+            lambda: len(runs) == 2 and effects() >= 1,
+            timeout_ms=30000,
+            message="the retry never committed: its key outlived the failure",
+        )
+        worker.join()
+        row = effects()
     finally:
         worker.stop()
         broker.close()
-    assert row == (1,)
+    assert (row, runs) == (1, [7, 7])
     with app_pool.connection() as conn:
         assert conn.autocommit is (app_pool.kwargs or {}).get("autocommit", False), "the pool's setting came back"
 

@@ -1,15 +1,15 @@
-"""classify(): real exceptions from real clients and a real Postgres, each mapped to the right decision.
+"""classify(): real exceptions from real clients, each mapped to the right decision.
 
 The HTTP errors come from a server this module starts on 127.0.0.1 (ephemeral port); connection
-errors from a port nobody listens on; timeouts from a socket that accepts nothing; database
-errors from real SQL against the local Postgres.  Nothing leaves the machine.
+errors from a port nobody listens on; timeouts from a socket that accepts nothing.  Nothing
+leaves the machine and no service is needed: errors from real SQL are classified in
+tests/integration/test_classify_postgres.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
-import contextlib
 import email.utils
 import errno
 import socket
@@ -18,7 +18,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,10 +35,8 @@ import requests
 import urllib3
 from hypothesis import given
 from hypothesis import strategies as st
-from psycopg import sql
 
 from dramatiq_reliable.classify import (
-    DB_CONFLICT_BACKOFF_MS,
     DEFAULT_MAX_RETRY_AFTER_MS,
     Decision,
     classify,
@@ -47,7 +44,6 @@ from dramatiq_reliable.classify import (
     http_status_of,
     parse_retry_after,
     rules_from,
-    sqlstate_of,
 )
 from dramatiq_reliable.errors import ConfigurationError, Unrecoverable
 
@@ -214,116 +210,8 @@ class IntegrityError(Exception):
     """Like sqlite3.IntegrityError: a DB-API name and no SQLSTATE."""
 
 
-# --------------------------------------------------------------------------------------------
-# Postgres producers (real SQL)
-# --------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def scratch_table(url: str) -> Iterator[sql.Identifier]:
-    table = sql.Identifier(f"classify_{uuid.uuid4().hex[:10]}")
-    with psycopg.connect(url, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE TABLE {} (id int PRIMARY KEY, v int NOT NULL)").format(table))
-        admin.execute(sql.SQL("INSERT INTO {} VALUES (1, 0), (2, 0)").format(table))
-    try:
-        yield table
-    finally:
-        with psycopg.connect(url, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table))
-
-
-def pg_sql(statement: str) -> Callable[[str], BaseException]:
-    def make(url: str) -> BaseException:
-        with psycopg.connect(url, autocommit=True) as conn:
-            return caught(lambda: conn.execute(statement))
-
-    return make
-
-
-def pg_unique_violation(url: str) -> BaseException:
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("CREATE TEMP TABLE t (id int PRIMARY KEY)")
-        conn.execute("INSERT INTO t VALUES (1)")
-        return caught(lambda: conn.execute("INSERT INTO t VALUES (1)"))
-
-
-def pg_not_null_violation(url: str) -> BaseException:
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("CREATE TEMP TABLE t (id int NOT NULL)")
-        return caught(lambda: conn.execute("INSERT INTO t VALUES (NULL)"))
-
-
-def pg_statement_timeout(url: str) -> BaseException:
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("SET statement_timeout = 1")
-        return caught(lambda: conn.execute("SELECT pg_sleep(5)"))
-
-
-def pg_unreachable(url: str) -> BaseException:
-    return caught(lambda: psycopg.connect(f"postgresql://postgres@127.0.0.1:{_free_port()}/x", connect_timeout=2))
-
-
-def pg_serialization_failure(url: str) -> BaseException:
-    with scratch_table(url) as table:
-        with psycopg.connect(url) as first:
-            first.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-            first.execute(sql.SQL("SELECT v FROM {} WHERE id = 1").format(table))  # takes the snapshot
-            with psycopg.connect(url, autocommit=True) as second:
-                second.execute(sql.SQL("UPDATE {} SET v = v + 1 WHERE id = 1").format(table))
-            error = caught(lambda: first.execute(sql.SQL("UPDATE {} SET v = v + 1 WHERE id = 1").format(table)))
-            first.rollback()
-        return error
-
-
-def pg_lock_not_available(url: str) -> BaseException:
-    with scratch_table(url) as table, psycopg.connect(url) as holder, psycopg.connect(url) as other:
-        holder.execute(sql.SQL("SELECT * FROM {} WHERE id = 1 FOR UPDATE").format(table))
-        error = caught(lambda: other.execute(sql.SQL("SELECT * FROM {} WHERE id = 1 FOR UPDATE NOWAIT").format(table)))
-        other.rollback()
-        holder.rollback()
-        return error
-
-
-def pg_deadlock(url: str) -> BaseException:
-    """Two transactions lock rows 1 and 2 in opposite orders; Postgres aborts one of them."""
-    with scratch_table(url) as table:
-        first = psycopg.connect(url)
-        second = psycopg.connect(url)
-        errors: list[BaseException] = []
-        try:
-            for conn in (first, second):
-                conn.execute("SET deadlock_timeout = '20ms'")
-            first.execute(sql.SQL("UPDATE {} SET v = 1 WHERE id = 1").format(table))
-            second.execute(sql.SQL("UPDATE {} SET v = 1 WHERE id = 2").format(table))
-
-            def first_takes_row_2() -> None:
-                try:
-                    first.execute(sql.SQL("UPDATE {} SET v = 2 WHERE id = 2").format(table))
-                except psycopg.Error as error:
-                    errors.append(error)
-
-            thread = threading.Thread(target=first_takes_row_2)
-            thread.start()
-            with psycopg.connect(url, autocommit=True) as observer:
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
-                    row = observer.execute(
-                        "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
-                        (first.info.backend_pid,),
-                    ).fetchone()
-                    if row is not None and row[0] == "Lock":
-                        break
-                    time.sleep(0.005)
-            try:
-                second.execute(sql.SQL("UPDATE {} SET v = 2 WHERE id = 1").format(table))
-            except psycopg.Error as error:
-                errors.append(error)
-            thread.join(10)
-        finally:
-            first.close()
-            second.close()
-    assert len(errors) == 1, errors
-    return errors[0]
+def pg_unreachable(ep: Endpoints) -> BaseException:
+    return caught(lambda: psycopg.connect(f"postgresql://postgres@127.0.0.1:{ep.closed_port}/x", connect_timeout=2))
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,7 +228,6 @@ class Case:
     reason: str = ""
     http_status: int | None = None
     matched_type: str | None = None
-    make_pg: Callable[[str], BaseException] | None = None
 
 
 def http_case(client: str, code: int, make: Callable[[int], Callable[[Endpoints], BaseException]]) -> Case:
@@ -458,57 +345,19 @@ CASES = [
     Case(
         "dbapi_name_without_sqlstate", lambda ep: IntegrityError("UNIQUE failed"), False, "permanent", "integrity_error"
     ),
-    # Postgres, real SQL
-    Case("pg_division_by_zero", make_pg=pg_sql("SELECT 1/0"), retry=False, category="permanent", reason="data_error"),
-    Case(
-        "pg_invalid_text",
-        make_pg=pg_sql("SELECT 'abc'::int"),
-        retry=False,
-        category="permanent",
-        reason="data_error",
-    ),
-    Case(
-        "pg_unique_violation", make_pg=pg_unique_violation, retry=False, category="permanent", reason="integrity_error"
-    ),
-    Case(
-        "pg_not_null_violation",
-        make_pg=pg_not_null_violation,
-        retry=False,
-        category="permanent",
-        reason="integrity_error",
-    ),
-    Case("pg_syntax_error", make_pg=pg_sql("SELEC 1"), retry=False, category="permanent", reason="programming_error"),
-    Case(
-        "pg_undefined_table",
-        make_pg=pg_sql("SELECT * FROM no_such_table_here"),
-        retry=False,
-        category="permanent",
-        reason="programming_error",
-    ),
-    Case("pg_deadlock", make_pg=pg_deadlock, reason="deadlock"),
-    Case("pg_serialization_failure", make_pg=pg_serialization_failure, reason="serialization_failure"),
-    Case("pg_lock_not_available", make_pg=pg_lock_not_available, reason="lock_not_available"),
-    Case("pg_statement_timeout", make_pg=pg_statement_timeout, reason="timeout"),
-    Case("pg_unreachable", make_pg=pg_unreachable, reason="database_unavailable"),
-    Case(
-        "sqlalchemy_style_wrapper_of_deadlock",
-        make_pg=lambda url: OperationalError(pg_deadlock(url)),
-        reason="deadlock",
-        matched_type="psycopg.errors.DeadlockDetected",
-    ),
+    # Postgres errors from real SQL are in tests/integration/test_classify_postgres.py.
+    Case("pg_unreachable", pg_unreachable, reason="database_unavailable"),
     Case(
         "sqlalchemy_style_wrapper_of_unreachable",
-        make_pg=lambda url: OperationalError(pg_unreachable(url)),
+        lambda ep: OperationalError(pg_unreachable(ep)),
         reason="database_unavailable",
     ),
 ]
 
 
 @pytest.fixture(scope="module")
-def produce(endpoints: Endpoints, request: pytest.FixtureRequest) -> Callable[[Case], BaseException]:
+def produce(endpoints: Endpoints) -> Callable[[Case], BaseException]:
     def make(case: Case) -> BaseException:
-        if case.make_pg is not None:
-            return case.make_pg(request.getfixturevalue("database_url"))
         assert case.make is not None
         return case.make(endpoints)
 
@@ -529,13 +378,6 @@ def test_real_exceptions_are_classified_by_the_table(case: Case, produce: Callab
         assert decision.matched_type == case.matched_type
     assert decision.error_type is not None
     assert decision.error_type.endswith(type(exception).__qualname__)
-
-
-def test_deadlocks_start_from_a_short_backoff(produce: Callable[[Case], BaseException]) -> None:
-    """A deadlock asks for a backoff of a few hundred ms, not the actor's 15 s, and keeps its SQLSTATE."""
-    deadlock = produce(next(case for case in CASES if case.id == "pg_deadlock"))
-    assert sqlstate_of(deadlock) == "40P01"
-    assert classify(deadlock).min_backoff_ms == DB_CONFLICT_BACKOFF_MS
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,10 +11,11 @@ import traceback
 import pytest
 from dramatiq.errors import ActorNotFound
 from dramatiq.middleware import SkipMessage
+from dramatiq.middleware.time_limit import TimeLimitExceeded
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dramatiq_reliable import ConfigurationError
+from dramatiq_reliable import CommitOutcomeUnknown, ConfigurationError, JobCommitFailed, Unrecoverable
 from dramatiq_reliable._util import type_name
 from dramatiq_reliable.cli import dead_letters as cli
 from dramatiq_reliable.dead_letters import (
@@ -22,15 +23,13 @@ from dramatiq_reliable.dead_letters import (
     DeadLetterFilter,
     DeadLetters,
     DeadLetterStore,
-    _decode_cursor,
-    _describe_failure,
-    _encode_cursor,
-    _json_text,
     find_culprit,
     fingerprint,
     format_traceback,
     notify_channel,
 )
+from dramatiq_reliable.dead_letters.analysis import _describe_failure, _json_text
+from dramatiq_reliable.dead_letters.validators import _decode_cursor, _encode_cursor
 
 UTC = datetime.timezone.utc
 
@@ -135,14 +134,52 @@ def test_long_tracebacks_keep_their_head_and_the_error_at_the_tail():
     ("error", "ran", "prior", "options", "reason", "attempts"),
     [
         (ValueError("x"), True, 2, {"retries": 3}, "retries_exhausted", 3),
-        (KeyError("x"), True, 0, {}, "throws", 1),
-        (SkipMessage("Message age limit exceeded"), False, None, {"retries": 1}, "max_age", 1),
-        (ActorNotFound("ghost"), False, None, {}, "actor_not_found", 0),
+        (KeyError("x"), True, 0, {}, "unrecoverable", 1),
+        (SkipMessage("Message age limit exceeded"), False, None, {"retries": 1}, "age_limit", 1),
+        (ActorNotFound("ghost"), False, None, {}, "failed", 0),
+        # The retry middleware did not count this run: no evidence the budget was spent.
+        (ValueError("x"), True, 2, {"retries": 2}, "failed", 3),
+        (Unrecoverable("gone"), True, 0, {"retries": 1}, "unrecoverable", 1),
+        (TimeLimitExceeded(), True, 0, {"retries": 1}, "time_limit", 1),
+        (
+            TimeLimitExceeded(),
+            True,
+            2,
+            {"retries": 3, "retry_decision": {"retry": False, "outcome": "exhausted", "attempt": 3}},
+            "time_limit",
+            3,
+        ),
+        (CommitOutcomeUnknown("connection lost during COMMIT"), True, 0, {}, "commit_outcome_unknown", 1),
+        (
+            JobCommitFailed("x"),
+            True,
+            0,
+            {"retry_decision": {"retry": False, "outcome": "outcome_unknown", "attempt": 3}},
+            "commit_outcome_unknown",
+            1,
+        ),
+        (JobCommitFailed("serialization failure at COMMIT"), True, 0, {}, "failed", 1),
         (
             ValueError("x"),
             True,
             0,
-            {"retry_decision": {"retry": False, "outcome": "fail", "reason": "unrecoverable", "attempt": 1}},
+            {"retry_decision": {"retry": False, "outcome": "fail", "category": "unknown", "reason": "retry_error"}},
+            "failed",
+            1,
+        ),
+        (
+            ValueError("x"),
+            True,
+            0,
+            {
+                "retry_decision": {
+                    "retry": False,
+                    "outcome": "fail",
+                    "category": "permanent",
+                    "reason": "unrecoverable",
+                    "attempt": 1,
+                }
+            },
             "unrecoverable",
             1,
         ),
@@ -160,7 +197,7 @@ def test_long_tracebacks_keep_their_head_and_the_error_at_the_tail():
             False,
             None,
             {"retries": 2, "retry_decision": {"retry": True, "reason": "timeout"}},
-            "max_age",
+            "age_limit",
             2,
         ),
         (None, False, None, {}, "failed", 0),
@@ -171,6 +208,21 @@ def test_each_way_of_dying_gets_its_reason_and_attempt_count(error, ran, prior, 
         _data(**options), error, ran=ran, prior_retries=prior, throws=(KeyError,), max_traceback_chars=10_000
     )
     assert (failure.reason, failure.attempts) == (reason, attempts)
+
+
+def test_every_reason_has_its_own_explanation_and_nothing_else_is_a_reason():
+    from dramatiq_reliable.dead_letters import REASONS
+
+    assert set(REASONS) == {
+        "retries_exhausted",
+        "unrecoverable",
+        "commit_outcome_unknown",
+        "time_limit",
+        "age_limit",
+        "imported_from_xq",
+        "failed",
+    }
+    assert len(set(REASONS.values())) == len(REASONS)
 
 
 def test_the_http_status_comes_from_the_decision_or_from_the_error_chain():
@@ -191,14 +243,23 @@ def test_the_http_status_comes_from_the_decision_or_from_the_error_chain():
     )
     assert failure.http_status == 503
     decided = _describe_failure(
-        _data(retry_decision={"retry": False, "reason": "http_404", "http_status": 404}),
+        _data(
+            retry_decision={
+                "retry": False,
+                "outcome": "fail",
+                "category": "permanent",
+                "reason": "http_404",
+                "http_status": 404,
+            }
+        ),
         ValueError("x"),
         ran=True,
         prior_retries=0,
         throws=None,
         max_traceback_chars=9999,
     )
-    assert (decided.reason, decided.http_status) == ("http_404", 404)
+    assert (decided.reason, decided.http_status) == ("unrecoverable", 404)
+    assert decided.retry_decision is not None and decided.retry_decision["reason"] == "http_404"
 
 
 def test_a_replayed_job_keeps_its_original_send_time_and_first_failure():
@@ -218,7 +279,7 @@ def test_values_jsonb_cannot_hold_are_stored_readably_instead_of_losing_the_dead
     text, exact = _json_text({"args": ["nul\x00", float("nan"), object()]})
     assert not exact
     args = json.loads(text)["args"]
-    assert args[0] == "nul\ufffd" and args[1] == "nan" and args[2].startswith("<object object")
+    assert args[0] == "nul\\x00" and args[1] == "nan" and args[2].startswith("<object object")
     failure = _describe_failure(
         _data(), ValueError("bad\x00byte"), ran=True, prior_retries=0, throws=None, max_traceback_chars=9999
     )

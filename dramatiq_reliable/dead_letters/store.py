@@ -1,0 +1,546 @@
+"""The Postgres dead-letter store: capture, list, group, replay, discard, purge."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import psycopg
+from dramatiq.common import q_name
+
+from .. import _sql, events, schema
+from .._util import check_ms as _check_ms
+from ..database import Database, DatabaseLike
+from ..errors import ConfigurationError
+from ..outbox.binding import bound_connection
+from ..outbox.broker import OutboxBroker
+from .analysis import _clean_text, _Failure
+from .connect import write_within
+from .records import (
+    _DEFAULT_BATCH,
+    _MAX_ERROR_MESSAGE_CHARS,
+    _STATES,
+    _UNSET,
+    DEFAULT_REPLAY_MAX_AGE_MS,
+    DEFAULT_RETENTION_MS,
+    RESET_OPTIONS,
+    DeadLetter,
+    DeadLetterCount,
+    DeadLetterFilter,
+    DeadLetterGroup,
+    DeadLetterPage,
+    DeadLettersDiscarded,
+    DeadLettersReplayed,
+    DiscardResult,
+    PurgeResult,
+    ReplayResult,
+    State,
+    notify_channel,
+)
+from .validators import (
+    _check_batch,
+    _check_by,
+    _check_filter,
+    _check_id,
+    _check_ids,
+    _check_target,
+    _decode_cursor,
+    _encode_cursor,
+    _format_duration_ms,
+    _seconds,
+)
+
+
+class DeadLetterStore:
+    """Reads and maintains the ``dead_letters`` table: list, show, group, replay, discard, purge.
+
+    Parameters:
+      database: where the table lives: a URL, a ``psycopg_pool.ConnectionPool`` or a
+        :class:`~dramatiq_reliable.Database` to share (a broker's, say).
+      schema: the Postgres schema of the tables (migrated to version 3 or later).
+      replay_max_age_ms: replays of jobs first sent longer ago than this are refused unless
+        forced; ``None`` never refuses.
+      retention_ms: :meth:`purge` deletes dead letters whose last failure is older than this;
+        ``None`` keeps them until discarded.
+      batch_size: rows per transaction in bulk replays, discards and purges.
+
+    Replays and discards run in the transaction bound with
+    :func:`~dramatiq_reliable.outbox.bind` (or ``broker.transaction()``), or the one you pass as
+    ``conn=``, and then commit or roll back with it; otherwise each batch commits on its own.
+    """
+
+    def __init__(
+        self,
+        *,
+        database: DatabaseLike,
+        schema: str = _sql.DEFAULT_SCHEMA,
+        replay_max_age_ms: int | None = DEFAULT_REPLAY_MAX_AGE_MS,
+        retention_ms: int | None = DEFAULT_RETENTION_MS,
+        batch_size: int = _DEFAULT_BATCH,
+    ) -> None:
+        _check_ms("replay_max_age_ms", replay_max_age_ms, allow_none=True, fix="e.g. 7 days = 604800000")
+        _check_ms("retention_ms", retention_ms, allow_none=True, fix="e.g. 30 days = 2592000000")
+        _check_batch(batch_size)
+        self.schema = _sql.validate_schema(schema)
+        self.channel = notify_channel(self.schema)
+        self.replay_max_age_ms = replay_max_age_ms
+        self.retention_ms = retention_ms
+        self.batch_size = batch_size
+        self._owned = not isinstance(database, Database)
+        self.database = Database.of(database)
+        self._ready = False
+
+    @classmethod
+    def from_broker(cls, broker: OutboxBroker, **options: Any) -> DeadLetterStore:
+        """A store on ``broker``'s pool and schema."""
+        if not isinstance(broker, OutboxBroker):
+            raise ConfigurationError(
+                f"DeadLetterStore.from_broker() needs an OutboxBroker, got {type(broker).__name__!r}; "
+                "build DeadLetterStore(database=...) instead"
+            )
+        options.setdefault("schema", broker.schema)
+        return cls(database=broker.database, **options)
+
+    def close(self) -> None:
+        """Close the pool if this store created it."""
+        if self._owned:
+            self.database.close()
+
+    def __enter__(self) -> DeadLetterStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- connections ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _transaction(self, conn: psycopg.Connection[Any] | None) -> Iterator[psycopg.Connection[Any]]:
+        """The caller's transaction on ``conn``, or a pooled one that commits on exit.
+
+        On a non-autocommit ``conn`` with no transaction open yet, the first statement opens
+        the caller's transaction and committing it stays the caller's job, as with ``bind()``;
+        ``conn.transaction()`` there would commit on exit.  Inside an open transaction a
+        savepoint wraps the statements; on an autocommit connection a transaction does.
+        """
+        if conn is not None:
+            if not conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                self._check_ready(conn)
+                yield conn
+                return
+            with conn.transaction():
+                self._check_ready(conn)
+                yield conn
+            return
+        with self.database.connection() as pooled, pooled.transaction():
+            self._check_ready(pooled)
+            yield pooled
+
+    def _check_ready(self, conn: psycopg.Connection[Any]) -> None:
+        if not self._ready:
+            schema.ensure_ready(conn, schema=self.schema, required=schema.DEAD_LETTERS_VERSION, feature="dead letters")
+            self._ready = True
+
+    def _query(self, name: str) -> Any:
+        return _sql.query(name, self.schema)
+
+    # -- capture -------------------------------------------------------------------------------
+
+    def _store(self, failure: _Failure, *, timeout_ms: int) -> DeadLetter:
+        def insert(conn: psycopg.Connection[Any]) -> tuple[Any, ...] | None:
+            self._check_ready(conn)
+            return (
+                _sql.tuples(conn).execute(self._query("dead_letters_capture"), failure.params(self.channel)).fetchone()
+            )
+
+        # The statement timeout bounds lock waits (a concurrent replay of the same message) and
+        # the retries bound an outage: either way the nack waits at most about timeout_ms.
+        row = write_within(self.database, self.schema, timeout_ms, insert)
+        assert row is not None
+        dead_letter_id, captures, sent_at, first_failed_at, last_failed_at = row[:5]
+        return DeadLetter(
+            id=dead_letter_id,
+            message_id=failure.message_id,
+            queue_name=failure.queue_name,
+            actor_name=failure.actor_name,
+            error_type=failure.error_type,
+            error_message=failure.error_message,
+            attempts=failure.attempts,
+            reason=failure.reason,
+            http_status=failure.http_status,
+            fingerprint=failure.fingerprint,
+            culprit=failure.culprit,
+            state="dead",
+            sent_at=sent_at,
+            first_failed_at=first_failed_at,
+            last_failed_at=last_failed_at,
+            worker_host=socket.gethostname(),
+            worker_pid=os.getpid(),
+            captures=captures,
+            message=json.loads(failure.message_json),
+            traceback=failure.traceback,
+            retry_decision=failure.retry_decision,
+        )
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def get(self, dead_letter_id: int) -> DeadLetter | None:
+        """One dead letter with its message, traceback and retry decision, in any state."""
+        _check_id(dead_letter_id)
+        with self._transaction(None) as conn:
+            row = _sql.tuples(conn).execute(self._query("dead_letters_get"), {"id": dead_letter_id}).fetchone()
+        return _record(row, full=True) if row else None
+
+    def list(
+        self,
+        *,
+        where: DeadLetterFilter | None = None,
+        state: State | None = "dead",
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> DeadLetterPage:
+        """Dead letters newest first (by last failure), ``limit`` at a time.
+
+        ``state=None`` lists every state.  Pagination is keyset-based: a page costs the same
+        however deep it is, and rows that die meanwhile do not shift the pages.
+        """
+        where = _check_filter(where)
+        if state is not None and state not in _STATES:
+            raise ConfigurationError(f"state must be one of {_STATES!r} or None, got {state!r}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
+            raise ConfigurationError(f"limit must be an int from 1 to 10000, got {limit!r}")
+        before_at, before_id = _decode_cursor(cursor)
+        params = {**where.params(), "state": state, "before_at": before_at, "before_id": before_id, "limit": limit}
+        with self._transaction(None) as conn:
+            # prepare=False: planned with the actual values, so unused filters fold away.
+            rows = _sql.tuples(conn).execute(self._query("dead_letters_list"), params, prepare=False).fetchall()
+        items = tuple(_record(row, full=False) for row in rows)
+        next_cursor = _encode_cursor(items[-1].last_failed_at, items[-1].id) if len(items) == limit else None
+        return DeadLetterPage(items, next_cursor)
+
+    def count(
+        self, *, where: DeadLetterFilter | None = None, ids: Sequence[int] | None = None, state: State | None = "dead"
+    ) -> int:
+        """How many dead letters match (state ``dead`` by default)."""
+        return self._count(None, _check_filter(where), _check_ids(ids), state, None)[0]
+
+    def _count(
+        self,
+        conn: psycopg.Connection[Any] | None,
+        where: DeadLetterFilter,
+        ids: Sequence[int] | None,
+        state: State | None,
+        max_age_ms: int | None,
+    ) -> tuple[int, int, int]:
+        params = {**where.params(), "ids": ids, "state": state, "max_age_s": _seconds(max_age_ms)}
+        with self._transaction(conn) as tx:
+            row = _sql.tuples(tx).execute(self._query("dead_letters_count"), params, prepare=False).fetchone()
+        assert row is not None
+        return int(row[0]), int(row[1]), int(row[2])
+
+    def replay_preview(
+        self,
+        *,
+        ids: Sequence[int] | None = None,
+        where: DeadLetterFilter | None = None,
+        force: bool = False,
+        max_age_ms: int | None = _UNSET,
+    ) -> tuple[int, int]:
+        """What :meth:`replay` with the same arguments would find: (dead letters matching, how
+        many of them it would refuse as too old).  For confirmation prompts."""
+        if max_age_ms is _UNSET:
+            max_age_ms = self.replay_max_age_ms
+        _check_ms("max_age_ms", max_age_ms, allow_none=True, fix="or pass force=True")
+        where = _check_filter(where)
+        total, too_old, _ = self._count(None, where, _check_ids(ids), "dead", None if force else max_age_ms)
+        return total, too_old
+
+    def stats(self, *, where: DeadLetterFilter | None = None, limit: int = 20) -> tuple[DeadLetterGroup, ...]:
+        """Dead letters grouped by fingerprint, biggest group first."""
+        where = _check_filter(where)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
+            raise ConfigurationError(f"limit must be an int from 1 to 10000, got {limit!r}")
+        with self._transaction(None) as conn:
+            rows = (
+                _sql.tuples(conn)
+                .execute(self._query("dead_letters_stats"), {**where.params(), "limit": limit}, prepare=False)
+                .fetchall()
+            )
+        return tuple(
+            DeadLetterGroup(
+                fingerprint=row[0],
+                count=row[1],
+                actors=row[2],
+                first_failed_at=row[3],
+                last_failed_at=row[4],
+                error_type=row[5],
+                culprit=row[6],
+                actor_name=row[7],
+                queue_name=row[8],
+                error_message=row[9],
+                latest_id=row[10],
+            )
+            for row in rows
+        )
+
+    def counts(self) -> tuple[DeadLetterCount, ...]:
+        """Dead letters (state ``dead``) by actor and error type, biggest first: for status
+        pages, alert rules and metrics gauges."""
+        with self._transaction(None) as conn:
+            rows = _sql.tuples(conn).execute(self._query("dead_letters_counts")).fetchall()
+        return tuple(DeadLetterCount(row[0], row[1], row[2], row[3], row[4]) for row in rows)
+
+    # -- replay and discard --------------------------------------------------------------------
+
+    def replay(
+        self,
+        *,
+        ids: Sequence[int] | None = None,
+        where: DeadLetterFilter | None = None,
+        queue_name: str | None = None,
+        delay_ms: int | None = None,
+        force: bool = False,
+        max_age_ms: int | None = _UNSET,
+        by: str | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> ReplayResult:
+        """Send dead letters again, through the outbox, and mark them replayed.
+
+        Pick rows with ``ids=``, ``where=`` (``DeadLetterFilter()`` for all) or both (their
+        intersection).  Each replayed message keeps its ``message_id`` (one logical job from
+        end to end; it never committed an idempotency key, since it failed) and its options,
+        except :data:`RESET_OPTIONS`, so it starts with a fresh retry budget;
+        ``options["replay_of"]`` records the dead letter's id, when the job was first sent,
+        and how many times it was replayed.  ``queue_name`` sends it to another queue (same
+        actor), ``delay_ms`` delays it.
+
+        The outbox row and the state change are one statement, so they commit together: a
+        replay is never lost, and a row is replayed at most once (only rows still ``dead`` are
+        picked, under a row lock).  Jobs first sent more than ``max_age_ms`` ago (default: the
+        store's ``replay_max_age_ms``) are left dead unless ``force=True``.
+
+        The messages reach RabbitMQ when the relay publishes them (``WorkerRelay`` or
+        ``dramatiq-reliable relay``).  ``progress(done, total)`` is called after each batch.
+        """
+        started = time.perf_counter()
+        id_list, where = _check_target(ids, where, "replay")
+        if queue_name is not None and (
+            not isinstance(queue_name, str) or not queue_name or queue_name != q_name(queue_name)
+        ):
+            raise ConfigurationError(
+                f"queue_name must be a queue's canonical name (not its .DQ or .XQ), got {queue_name!r}"
+            )
+        if delay_ms is not None:
+            _check_ms("delay_ms", delay_ms, allow_none=False, fix="e.g. delay_ms=60000 for one minute")
+        if not isinstance(force, bool):
+            raise ConfigurationError(f"force must be a bool, got {force!r}")
+        if max_age_ms is _UNSET:
+            max_age_ms = self.replay_max_age_ms
+        _check_ms("max_age_ms", max_age_ms, allow_none=True, fix="or pass force=True")
+        age_limit = None if force else max_age_ms
+        handled_by = _check_by(by)
+        bound = conn if conn is not None else bound_connection()
+
+        before = self._states(bound, id_list, age_limit) if id_list is not None else {}
+        total, too_old, upto = self._count(bound, where, id_list, "dead", age_limit)
+        params = {
+            **where.params(),
+            "ids": id_list,
+            "upto_id": upto,
+            "max_age_s": _seconds(age_limit),
+            "to_queue": queue_name,
+            "delay_ms": delay_ms,
+            "handled_by": handled_by,
+            "reset_options": list(RESET_OPTIONS),
+            "batch": self.batch_size,
+        }
+        replayed = self._batches("dead_letters_replay", params, bound, total - too_old, progress) if upto else 0
+        problems = self._problems(bound, id_list, before, "replayed", age_limit) if id_list is not None else {}
+        events.emit(
+            DeadLettersReplayed(
+                count=replayed,
+                too_old=too_old,
+                schema=self.schema,
+                queue_name=queue_name,
+                delay_ms=delay_ms,
+                handled_by=handled_by,
+                duration_ms=(time.perf_counter() - started) * 1000,
+            )
+        )
+        return ReplayResult(replayed, too_old, problems)
+
+    def discard(
+        self,
+        *,
+        ids: Sequence[int] | None = None,
+        where: DeadLetterFilter | None = None,
+        note: str | None = None,
+        by: str | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> DiscardResult:
+        """Mark dead letters discarded, on purpose: they stay (with ``note``, who and when) for
+        the audit trail until :meth:`purge`.  Rows are picked as for :meth:`replay`."""
+        id_list, where = _check_target(ids, where, "discard")
+        if note is not None and not isinstance(note, str):
+            raise ConfigurationError(f"note must be a string or None, got {note!r}")
+        handled_by = _check_by(by)
+        bound = conn if conn is not None else bound_connection()
+        before = self._states(bound, id_list, None) if id_list is not None else {}
+        total, _, upto = self._count(bound, where, id_list, "dead", None)
+        params = {
+            **where.params(),
+            "ids": id_list,
+            "upto_id": upto,
+            "handled_by": handled_by,
+            "note": _clean_text(note)[:_MAX_ERROR_MESSAGE_CHARS] if note else None,
+            "batch": self.batch_size,
+        }
+        discarded = self._batches("dead_letters_discard", params, bound, total, progress) if upto else 0
+        problems = self._problems(bound, id_list, before, "discarded", None) if id_list is not None else {}
+        events.emit(DeadLettersDiscarded(count=discarded, schema=self.schema, handled_by=handled_by, note=note))
+        return DiscardResult(discarded, problems)
+
+    def _batches(
+        self,
+        name: str,
+        params: dict[str, Any],
+        conn: psycopg.Connection[Any] | None,
+        total: int,
+        progress: Callable[[int, int], None] | None,
+    ) -> int:
+        # Keyset batches on (last_failed_at, id), the order of the filters' indexes, up to the
+        # highest id counted beforehand: each batch is short, its own transaction unless the
+        # caller's, and rows that die meanwhile are left alone.
+        done = 0
+        after_at: datetime.datetime | None = None
+        after_id = 0
+        while True:
+            with self._transaction(conn) as tx:
+                row = (
+                    _sql.tuples(tx)
+                    .execute(self._query(name), {**params, "after_at": after_at, "after_id": after_id}, prepare=False)
+                    .fetchone()
+                )
+            assert row is not None
+            handled = int(row[0])
+            done += handled
+            if progress is not None and handled:
+                progress(done, max(total, done))
+            # total came from the count: stopping there saves a last scan that finds nothing.
+            if handled < self.batch_size or row[2] is None or done >= total:
+                return done
+            after_at, after_id = row[1], int(row[2])
+
+    def _states(
+        self, conn: psycopg.Connection[Any] | None, ids: Sequence[int], max_age_ms: int | None
+    ) -> dict[int, tuple[str, bool]]:
+        with self._transaction(conn) as tx:
+            rows = (
+                _sql.tuples(tx)
+                .execute(self._query("dead_letters_states"), {"ids": ids, "max_age_s": _seconds(max_age_ms)})
+                .fetchall()
+            )
+        return {row[0]: (row[1], bool(row[3])) for row in rows}
+
+    def _problems(
+        self,
+        conn: psycopg.Connection[Any] | None,
+        ids: Sequence[int],
+        before: Mapping[int, tuple[str, bool]],
+        done_state: str,
+        age_limit: int | None,
+    ) -> dict[int, str]:
+        after = self._states(conn, ids, None)
+        problems: dict[int, str] = {}
+        for dead_letter_id in ids:
+            if dead_letter_id not in before:
+                problems[dead_letter_id] = "not found"
+            elif before[dead_letter_id][0] != "dead":
+                problems[dead_letter_id] = f"already {before[dead_letter_id][0]}"
+            elif after.get(dead_letter_id, ("",))[0] == done_state:
+                continue
+            elif before[dead_letter_id][1]:
+                age = _format_duration_ms(age_limit or 0)
+                problems[dead_letter_id] = f"first sent more than {age} ago; pass force to replay it, or discard it"
+            else:
+                problems[dead_letter_id] = (
+                    "not handled: it does not match the filter, or a concurrent replay or discard held it"
+                )
+        return problems
+
+    # -- retention -----------------------------------------------------------------------------
+
+    def purge(
+        self,
+        *,
+        older_than_ms: int | None = _UNSET,
+        handled_older_than_ms: int | None = 0,
+        batch: int | None = None,
+    ) -> PurgeResult:
+        """Delete handled rows and dead rows past retention, in short batches.
+
+        ``older_than_ms`` (default: the store's ``retention_ms``; ``None`` keeps them): dead
+        rows whose last failure is older.  ``handled_older_than_ms`` (default 0, all of them;
+        ``None`` keeps them): replayed and discarded rows handled longer ago.
+        """
+        if older_than_ms is _UNSET:
+            older_than_ms = self.retention_ms
+        _check_ms("older_than_ms", older_than_ms, allow_none=True, fix="e.g. 30 days = 2592000000")
+        _check_ms("handled_older_than_ms", handled_older_than_ms, allow_none=True, fix="0 purges every handled row")
+        size = self.batch_size if batch is None else _check_batch(batch)
+        dead = self._purge("dead_letters_purge_dead", older_than_ms, size) if older_than_ms is not None else 0
+        handled = (
+            self._purge("dead_letters_purge_handled", handled_older_than_ms, size)
+            if handled_older_than_ms is not None
+            else 0
+        )
+        return PurgeResult(dead, handled)
+
+    def _purge(self, name: str, older_than_ms: int, batch: int) -> int:
+        total = 0
+        while True:
+            with self._transaction(None) as conn:
+                deleted = conn.execute(
+                    self._query(name), {"older_than_s": older_than_ms / 1000, "batch": batch}
+                ).rowcount
+            total += deleted
+            if deleted < batch:
+                return total
+
+
+def _record(row: Sequence[Any], *, full: bool) -> DeadLetter:
+    return DeadLetter(
+        id=row[0],
+        message_id=row[1],
+        queue_name=row[2],
+        actor_name=row[3],
+        error_type=row[4],
+        error_message=row[5],
+        attempts=row[6],
+        reason=row[7],
+        http_status=row[8],
+        fingerprint=row[9],
+        culprit=row[10],
+        state=row[11],
+        sent_at=row[12],
+        first_failed_at=row[13],
+        last_failed_at=row[14],
+        worker_host=row[15],
+        worker_pid=row[16],
+        captures=row[17],
+        handled_at=row[18],
+        handled_by=row[19],
+        note=row[20],
+        replayed_to=row[21],
+        message=row[22] if full else None,
+        traceback=row[23] if full else None,
+        retry_decision=row[24] if full else None,
+    )
