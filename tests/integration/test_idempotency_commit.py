@@ -301,11 +301,14 @@ def test_a_commit_refused_by_a_deferred_constraint_keeps_its_classification(
             place.send(1)
             dead = sql.Identifier(db_schema, "dead_letters")
             row = wait_for(
-                lambda: db.execute(sql.SQL("SELECT reason, error_type, attempts FROM {}").format(dead)).fetchone(),
+                lambda: db.execute(
+                    sql.SQL("SELECT reason, retry_decision->>'reason', error_type, attempts FROM {}").format(dead)
+                ).fetchone(),
                 timeout_ms=20_000,
                 message="no dead letter",
             )
-        assert row == ("integrity_error", "dramatiq_reliable.JobCommitFailed", 1)
+        # Classified permanent (reason "unrecoverable"), by the constraint violation behind the commit.
+        assert row == ("unrecoverable", "integrity_error", "dramatiq_reliable.JobCommitFailed", 1)
         assert runs == [1]  # permanent: not retried
         (failed,) = _named(seen, "idempotency.commit_failed")
         assert failed["outcome"] == "failed"
