@@ -30,6 +30,7 @@ from .errors import (
 )
 from .idempotency import Idempotency, current_job, external_key, job_connection
 from .outbox import OutboxBroker, Relay, RelayOptions, WorkerRelay, bind
+from .postgres import PostgresBroker
 from .retries import ClassifiedRetries, build_middleware, no_delays
 from .schema import migrate, migration_sql
 from .tracing import Tracing
@@ -57,6 +58,7 @@ __all__ = [
     "OutboxBroker",
     "OutboxWriteError",
     "PayloadError",
+    "PostgresBroker",
     "Relay",
     "RelayOptions",
     "ReliableError",

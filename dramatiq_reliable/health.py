@@ -86,6 +86,9 @@ class QueueHealth:
     dead_letters: int | None = None
     dead_letters_newest_age_s: float | None = None
     retries_waiting: int | None = None
+    #: PostgresBroker queues: the age of the oldest message ready to run (``depth`` counts the
+    #: ready and held rows, ``delayed`` the waiting ones, ``xq`` the dead ones).
+    queue_oldest_age_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,6 +439,7 @@ def _read_postgres(
             counts = _retries_waiting(conn, schema)
             for queue_name, count in counts.items():
                 entry(queue_name)["retries_waiting"] = count
+        _read_postgres_queues(conn, schema, entry)
         table = sql.Identifier(schema, _DEAD_LETTERS_TABLE).as_string(conn)
         row = _sql.tuples(conn).execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
         exists = bool(row and row[0])
@@ -450,6 +454,25 @@ def _read_postgres(
                     previous = values.get("dead_letters_newest_age_s")
                     values["dead_letters_newest_age_s"] = age if previous is None else min(previous, age)
     return exists
+
+
+def _read_postgres_queues(
+    conn: psycopg.Connection[Any], schema_name: str, entry: Callable[[str], dict[str, Any]]
+) -> None:
+    """PostgresBroker's queues, when the queue table exists: depth, delayed, dead and oldest age."""
+    from .postgres import queue as postgres_queue
+
+    table = sql.Identifier(schema_name, "queue").as_string(conn)
+    row = _sql.tuples(conn).execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
+    if not (row and row[0]):
+        return
+    for counts in postgres_queue.counts(conn, schema_name):
+        values = entry(counts.queue_name)
+        values["depth"] = counts.ready + counts.held
+        values["delayed"] = counts.delayed
+        values["xq"] = counts.dead
+        if counts.oldest_ready_s is not None:
+            values["queue_oldest_age_s"] = round(counts.oldest_ready_s, 3)
 
 
 def _ensure_outbox(conn: psycopg.Connection[Any], schema_name: str) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "IDEMPOTENCY_VERSION",
     "LATEST_VERSION",
     "OUTBOX_VERSION",
+    "QUEUE_VERSION",
     "Migration",
     "current_version",
     "ensure_ready",
@@ -43,6 +44,7 @@ __all__ = [
 OUTBOX_VERSION = 1
 IDEMPOTENCY_VERSION = 2
 DEAD_LETTERS_VERSION = 3
+QUEUE_VERSION = 4
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 

@@ -1,8 +1,11 @@
 """The seed's order scenario: save an order and enqueue its receipt in one transaction.
 
-Run with ``make demo`` (local Postgres and RabbitMQ, or DATABASE_URL / RABBITMQ_URL).  It
-migrates a demo schema, places three orders (one of which rolls back), runs a worker with the
-in-process relay, and shows that exactly the committed orders got a receipt.
+Run with ``make demo``.  With ``DATABASE_URL`` and ``RABBITMQ_URL`` set it uses those servers
+and an ``OutboxBroker`` with the in-process relay; with ``RABBITMQ_URL`` unset the queues live
+in Postgres (``PostgresBroker``), and with ``DATABASE_URL`` unset an embedded Postgres is started
+(the ``embedded`` extra), so a fresh machine needs nothing else.  The code that places orders is
+the same on both brokers.  It migrates a demo schema, places three orders (one of which rolls
+back), runs a worker, and shows that exactly the committed orders got a receipt.
 """
 
 from __future__ import annotations
@@ -14,15 +17,27 @@ import time
 import dramatiq
 import psycopg
 
-from dramatiq_reliable import OutboxBroker, WorkerRelay, migrate
+from dramatiq_reliable import OutboxBroker, PostgresBroker, WorkerRelay, migrate
+from dramatiq_reliable.embedded import EmbeddedPostgres
 
-DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 SCHEMA = "dramatiq_reliable_demo"
+embedded = None
+DATABASE_URL = os.environ.get("DATABASE_URL")
+if not DATABASE_URL:
+    embedded = EmbeddedPostgres()
+    DATABASE_URL = embedded.start()
+    print(f"DATABASE_URL is not set: using an embedded Postgres at {DATABASE_URL}")
+RABBITMQ_URL = os.environ.get("RABBITMQ_URL")
 
 migrate(DATABASE_URL, schema=SCHEMA)
-broker = OutboxBroker(url=RABBITMQ_URL, database=DATABASE_URL, schema=SCHEMA)
-broker.add_middleware(WorkerRelay(poll_interval_ms=200))
+broker: OutboxBroker | PostgresBroker
+if RABBITMQ_URL:
+    broker = OutboxBroker(url=RABBITMQ_URL, database=DATABASE_URL, schema=SCHEMA)
+    broker.add_middleware(WorkerRelay(poll_interval_ms=200))
+else:
+    # The one line that changes when the queues move to RabbitMQ.
+    broker = PostgresBroker(database=DATABASE_URL, schema=SCHEMA)
+    print("RABBITMQ_URL is not set: the queues live in Postgres (PostgresBroker)")
 dramatiq.set_broker(broker)
 
 receipts: list[int] = []
@@ -69,6 +84,8 @@ def main() -> None:
     finally:
         worker.stop()
         broker.close()
+        if embedded is not None:
+            embedded.stop()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import pika
 import psycopg
 import pytest
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from embedded_postgres import pytest_terminal_summary  # noqa: F401  (embedded Postgres if DATABASE_URL is unset)
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider

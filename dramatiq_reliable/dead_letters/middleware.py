@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.common import q_name, xq_name
@@ -21,6 +21,7 @@ from .._util import first_line as _first_line
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError
 from ..outbox.broker import OutboxBroker
+from ..postgres.broker import PostgresBroker
 from .analysis import _as_int, _describe_failure
 from .records import (
     _PRIOR_ATTR,
@@ -118,9 +119,11 @@ class DeadLetters(Middleware):
         with self._lock:
             if self._store is None:
                 database = self._owned_database or self._database
-                if isinstance(broker, OutboxBroker):
+                replay_to: Literal["outbox", "queue"] = "outbox"
+                if isinstance(broker, (OutboxBroker, PostgresBroker)):
                     database = database or broker.database
                     schema_name = self.schema or broker.schema
+                    replay_to = "queue" if isinstance(broker, PostgresBroker) else "outbox"
                 elif database is None:
                     raise ConfigurationError(
                         f"DeadLetters on a {type(broker).__name__} needs database=; "
@@ -128,7 +131,7 @@ class DeadLetters(Middleware):
                     )
                 else:
                     schema_name = self.schema or _sql.DEFAULT_SCHEMA
-                self._store = DeadLetterStore(database=database, schema=schema_name)
+                self._store = DeadLetterStore(database=database, schema=schema_name, replay_to=replay_to)
             return self._store
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 from dramatiq.common import q_name
@@ -20,6 +20,7 @@ from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError
 from ..outbox.binding import bound_connection
 from ..outbox.broker import OutboxBroker
+from ..postgres.broker import PostgresBroker
 from .analysis import _clean_text, _Failure
 from .connect import write_within
 from .records import (
@@ -69,6 +70,8 @@ class DeadLetterStore:
       retention_ms: :meth:`purge` deletes dead letters whose last failure is older than this;
         ``None`` keeps them until discarded.
       batch_size: rows per transaction in bulk replays, discards and purges.
+      replay_to: ``"outbox"`` (for ``OutboxBroker``: the relay publishes replays) or
+        ``"queue"`` (for ``PostgresBroker``: replays become queue rows directly).
 
     Replays and discards run in the transaction bound with
     :func:`~dramatiq_reliable.outbox.bind` (or ``broker.transaction()``), or the one you pass as
@@ -83,7 +86,11 @@ class DeadLetterStore:
         replay_max_age_ms: int | None = DEFAULT_REPLAY_MAX_AGE_MS,
         retention_ms: int | None = DEFAULT_RETENTION_MS,
         batch_size: int = _DEFAULT_BATCH,
+        replay_to: Literal["outbox", "queue"] = "outbox",
     ) -> None:
+        if replay_to not in ("outbox", "queue"):
+            raise ConfigurationError(f"replay_to must be 'outbox' or 'queue', got {replay_to!r}")
+        self.replay_to = replay_to
         _check_ms("replay_max_age_ms", replay_max_age_ms, allow_none=True, fix="e.g. 7 days = 604800000")
         _check_ms("retention_ms", retention_ms, allow_none=True, fix="e.g. 30 days = 2592000000")
         _check_batch(batch_size)
@@ -97,13 +104,15 @@ class DeadLetterStore:
         self._ready = False
 
     @classmethod
-    def from_broker(cls, broker: OutboxBroker, **options: Any) -> DeadLetterStore:
-        """A store on ``broker``'s pool and schema."""
-        if not isinstance(broker, OutboxBroker):
+    def from_broker(cls, broker: OutboxBroker | PostgresBroker, **options: Any) -> DeadLetterStore:
+        """A store on ``broker``'s pool and schema (replaying onto its queues for a ``PostgresBroker``)."""
+        if not isinstance(broker, (OutboxBroker, PostgresBroker)):
             raise ConfigurationError(
-                f"DeadLetterStore.from_broker() needs an OutboxBroker, got {type(broker).__name__!r}; "
+                f"DeadLetterStore.from_broker() needs an OutboxBroker or a PostgresBroker, got {type(broker).__name__!r}; "
                 "build DeadLetterStore(database=...) instead"
             )
+        if isinstance(broker, PostgresBroker):
+            options.setdefault("replay_to", "queue")
         options.setdefault("schema", broker.schema)
         return cls(database=broker.database, **options)
 
@@ -144,7 +153,8 @@ class DeadLetterStore:
 
     def _check_ready(self, conn: psycopg.Connection[Any]) -> None:
         if not self._ready:
-            schema.ensure_ready(conn, schema=self.schema, required=schema.DEAD_LETTERS_VERSION, feature="dead letters")
+            required = schema.QUEUE_VERSION if self.replay_to == "queue" else schema.DEAD_LETTERS_VERSION
+            schema.ensure_ready(conn, schema=self.schema, required=required, feature="dead letters")
             self._ready = True
 
     def _query(self, name: str) -> Any:
@@ -361,7 +371,8 @@ class DeadLetterStore:
             "reset_options": list(RESET_OPTIONS),
             "batch": self.batch_size,
         }
-        replayed = self._batches("dead_letters_replay", params, bound, total - too_old, progress) if upto else 0
+        statement = "dead_letters_replay" if self.replay_to == "outbox" else "queue_replay"
+        replayed = self._batches(statement, params, bound, total - too_old, progress) if upto else 0
         problems = self._problems(bound, id_list, before, "replayed", age_limit) if id_list is not None else {}
         events.emit(
             DeadLettersReplayed(

@@ -37,6 +37,7 @@ from ..errors import (
 )
 from ..outbox.binding import bind
 from ..outbox.broker import OutboxBroker
+from ..postgres.broker import PostgresBroker
 from ..retries import (
     RETRY_DECISION_KEY,
     ClassifiedRetries,
@@ -195,8 +196,10 @@ class Idempotency(Middleware):
         if self._target is None:
             if self._own_database is not None:
                 database = self._own_database
-                default_schema = broker.schema if isinstance(broker, OutboxBroker) else _sql.DEFAULT_SCHEMA
-            elif isinstance(broker, OutboxBroker):
+                default_schema = (
+                    broker.schema if isinstance(broker, (OutboxBroker, PostgresBroker)) else _sql.DEFAULT_SCHEMA
+                )
+            elif isinstance(broker, (OutboxBroker, PostgresBroker)):
                 database, default_schema = broker.database, broker.schema
             else:
                 raise ActorOptionError(

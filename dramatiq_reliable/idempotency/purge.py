@@ -14,6 +14,7 @@ from ..errors import (
     ConfigurationError,
 )
 from ..outbox.broker import OutboxBroker
+from ..postgres.broker import PostgresBroker
 from ..schema import IDEMPOTENCY_VERSION, ensure_ready
 from ._connections import autocommit
 from .events import IdempotencyKeysPurged
@@ -71,7 +72,7 @@ def make_purge_actor(
         middleware = next((m for m in broker.middleware if isinstance(m, Idempotency)), None)
         if middleware is not None:
             database, default_schema = middleware.database_for(broker)
-        elif isinstance(broker, OutboxBroker):
+        elif isinstance(broker, (OutboxBroker, PostgresBroker)):
             database, default_schema = broker.database, broker.schema
         else:
             raise ConfigurationError(
@@ -79,7 +80,7 @@ def make_purge_actor(
             )
     else:
         database = Database.of(database)
-        default_schema = broker.schema if isinstance(broker, OutboxBroker) else _sql.DEFAULT_SCHEMA
+        default_schema = broker.schema if isinstance(broker, (OutboxBroker, PostgresBroker)) else _sql.DEFAULT_SCHEMA
     schema_name = _sql.validate_schema(schema or default_schema)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigurationError(f"batch_size must be a positive int, got {batch_size!r}")

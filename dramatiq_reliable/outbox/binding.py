@@ -12,13 +12,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
 from ..errors import ConfigurationError
 
-__all__ = ["bind", "bound_connection"]
+if TYPE_CHECKING:
+    from ..database import Database
+
+__all__ = ["bind", "bound_connection", "bound_transaction"]
 
 _bound: contextvars.ContextVar[psycopg.Connection[Any] | None] = contextvars.ContextVar(
     "dramatiq_reliable_connection", default=None
@@ -60,3 +63,14 @@ def bind(conn: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
 def bound_connection() -> psycopg.Connection[Any] | None:
     """The connection bound to the current context, or ``None`` outside any binding."""
     return _bound.get()
+
+
+@contextlib.contextmanager
+def bound_transaction(database: Database) -> Iterator[psycopg.Connection[Any]]:
+    """A pooled connection in a transaction, bound for ``send()``: what ``broker.transaction()`` opens.
+
+    Shared by every broker whose sends are rows (``OutboxBroker``, ``PostgresBroker``): it commits
+    when the block exits normally and rolls back when it raises.
+    """
+    with database.connection() as conn, conn.transaction(), bind(conn):
+        yield conn

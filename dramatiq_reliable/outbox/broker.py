@@ -27,7 +27,7 @@ from psycopg_pool import PoolTimeout
 from .. import _sql, schema
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError, NotBound, OutboxWriteError, PayloadError, SchemaNotReady
-from .binding import bind, bound_connection
+from .binding import bound_connection, bound_transaction
 
 __all__ = ["OutboxBroker"]
 
@@ -148,7 +148,7 @@ class OutboxBroker(RabbitmqBroker):
         The transaction commits when the block exits normally and rolls back when it raises;
         do your own writes on the yielded connection so they commit with the messages.
         """
-        with self.database.connection() as conn, conn.transaction(), bind(conn):
+        with bound_transaction(self.database) as conn:
             yield conn
 
     def close(self) -> None:

@@ -307,7 +307,6 @@ def test_a_commit_refused_by_a_deferred_constraint_keeps_its_classification(
                 timeout_ms=20_000,
                 message="no dead letter",
             )
-        # Classified permanent (reason "unrecoverable"), by the constraint violation behind the commit.
         assert row == ("unrecoverable", "integrity_error", "dramatiq_reliable.JobCommitFailed", 1)
         assert runs == [1]  # permanent: not retried
         (failed,) = _named(seen, "idempotency.commit_failed")

@@ -1,0 +1,7 @@
+"""Postgres queues: PostgresBroker, its consumers, leases and retention."""
+
+from .broker import PostgresBroker
+from .queue import QueueCounts
+from .retention import purge_dead
+
+__all__ = ["PostgresBroker", "QueueCounts", "purge_dead"]

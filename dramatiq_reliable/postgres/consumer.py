@@ -1,0 +1,253 @@
+"""Consumers of Postgres queues: claims with SKIP LOCKED, woken by LISTEN/NOTIFY, polling as a fallback.
+
+One listener thread per broker holds the ``LISTEN`` connection and wakes the consumers of the
+queue a notification names; a consumer that hears nothing claims again after Dramatiq's
+``worker_timeout`` anyway, so a lost notification (the listener reconnecting, a row that
+became visible when its eta or a lease passed) delays a message by at most that long.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from dramatiq.broker import Consumer, MessageProxy
+from dramatiq.common import xq_name
+from dramatiq.errors import ConnectionClosed
+from dramatiq.message import Message
+from psycopg import sql
+from psycopg_pool import PoolTimeout
+
+from .._util import first_line
+from ..database import Database
+from . import queue
+
+if TYPE_CHECKING:
+    from .broker import PostgresBroker
+
+__all__ = ["Listener", "PostgresConsumer", "PostgresMessage"]
+
+logger = logging.getLogger("dramatiq_reliable.postgres")
+
+_DB_ERRORS = (psycopg.Error, PoolTimeout)
+
+
+def channel(schema: str) -> str:
+    """The NOTIFY channel of new queue rows in ``schema``: ``"<schema>.queue"``."""
+    return f"{schema}.queue"
+
+
+class Listener:
+    """The broker's one ``LISTEN`` connection, turning notifications into per-queue wake-ups."""
+
+    def __init__(self, database: Database, schema: str) -> None:
+        self.database = database
+        self.channel = channel(schema)
+        self._lock = threading.Lock()
+        self._events: dict[str, set[threading.Event]] = collections.defaultdict(set)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.listening = threading.Event()
+
+    def register(self, queue_name: str, event: threading.Event) -> None:
+        with self._lock:
+            self._events[queue_name].add(event)
+        self.start()
+
+    def unregister(self, queue_name: str, event: threading.Event) -> None:
+        with self._lock:
+            self._events[queue_name].discard(event)
+
+    def wake(self, queue_name: str) -> None:
+        with self._lock:
+            events = list(self._events.get(queue_name, ()))
+        for event in events:
+            event.set()
+
+    def wake_all(self) -> None:
+        with self._lock:
+            events = [event for group in self._events.values() for event in group]
+        for event in events:
+            event.set()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="dramatiq-reliable-queue-listener", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=5)
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                with self.database.connect(autocommit=True) as conn:
+                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+                    self.listening.set()
+                    backoff = 0.1
+                    # Rows sent while nobody listened are found by the claim that follows.
+                    self.wake_all()
+                    while not self._stop.is_set():
+                        for notify in conn.notifies(timeout=0.5):
+                            self.wake(notify.payload)
+            except psycopg.Error as error:
+                self.listening.clear()
+                if self._stop.is_set():
+                    return
+                logger.warning(
+                    "queue listener lost its Postgres connection (%s: %s); consumers poll until it is back",
+                    type(error).__name__,
+                    first_line(error),
+                )
+                self.wake_all()
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+        self.listening.clear()
+
+
+class PostgresMessage(MessageProxy):
+    """A message claimed from a Postgres queue: the row it came from and the lease it is held by."""
+
+    def __init__(self, message: Message[Any], row: queue.ClaimedRow) -> None:
+        super().__init__(message)
+        self.row_id = row.id
+        self.lease = row.lease
+        self.deliveries = row.deliveries
+        #: Set when the row's fate was already written (acked in the job's transaction, or
+        #: turned into its own retry): the consumer's ack then only lets go of the lease.
+        self.settled = False
+
+
+class PostgresConsumer(Consumer):
+    """Claims up to ``prefetch`` rows of one queue at a time and hands them to Dramatiq's worker.
+
+    Acks and nacks are called from worker threads; they write through the broker's
+    :class:`~dramatiq_reliable.postgres.lease.Leases`, never through this object's state, so a
+    consumer restarted after a connection error still settles the messages of the old one.
+    """
+
+    def __init__(self, broker: PostgresBroker, queue_name: str, prefetch: int, timeout: int) -> None:
+        self.broker = broker
+        self.queue_name = queue_name
+        self.prefetch = max(1, prefetch)
+        self.timeout = timeout
+        self._buffer: collections.deque[PostgresMessage] = collections.deque()
+        self._wake = threading.Event()
+        self._token = broker._lease_tokens
+        broker.listener.register(queue_name, self._wake)
+
+    def __next__(self) -> PostgresMessage | None:
+        deadline = time.monotonic() + self.timeout / 1000
+        while True:
+            if self._buffer:
+                return self._buffer.popleft()
+            self._wake.clear()
+            free = self.prefetch - self.broker.leases.held_count(self.queue_name)
+            if free > 0 and self._claim(min(free, self.broker.claim_batch_size)):
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self._wake.wait(remaining)
+
+    def _claim(self, limit: int) -> bool:
+        lease = next(self._token)
+        try:
+            with queue.pooled(self.broker.database) as conn:
+                rows = queue.claim(
+                    conn,
+                    self.broker.schema,
+                    queue_name=self.queue_name,
+                    limit=limit,
+                    lease=lease,
+                    lease_ms=self.broker.lease_ms,
+                )
+        except _DB_ERRORS as error:
+            raise ConnectionClosed(error) from error  # type: ignore[no-untyped-call]
+        if not rows:
+            return False
+        self.broker.leases.hold(self.queue_name, rows)
+        for row in rows:
+            message = self._decode(row)
+            if message is not None:
+                self._buffer.append(message)
+        return True
+
+    def _decode(self, row: queue.ClaimedRow) -> PostgresMessage | None:
+        try:
+            decoded = Message.decode(row.body)
+        except Exception as error:
+            logger.error(
+                "queue row %d of %r is not a Dramatiq message (%s); moved to %r",
+                row.id,
+                self.queue_name,
+                first_line(error),
+                xq_name(self.queue_name),
+            )
+            self._nack_row(row.id, row.lease)
+            return None
+        # Delays live in available_at: the row became visible when its eta passed, so the
+        # worker runs it now instead of holding it in memory, and it belongs to this queue
+        # whatever delay-queue name the sender gave it.
+        message = decoded.copy(queue_name=self.queue_name)
+        message.options.pop("eta", None)
+        return PostgresMessage(message, row)
+
+    def ack(self, message: MessageProxy) -> None:
+        if not isinstance(message, PostgresMessage):
+            return
+        if message.settled:
+            self.broker.leases.forget(message.row_id)
+            return
+        self.broker.leases.ack(message.row_id, message.lease, self.queue_name)
+
+    def nack(self, message: MessageProxy) -> None:
+        if isinstance(message, PostgresMessage):
+            self._nack_row(message.row_id, message.lease)
+
+    def _nack_row(self, row_id: int, lease: int) -> None:
+        try:
+            with queue.pooled(self.broker.database) as conn:
+                queue.nack(conn, self.broker.schema, row_id=row_id, lease=lease, xq_name=xq_name(self.queue_name))
+        except _DB_ERRORS as error:
+            # Dramatiq retries a post-process connection error until it succeeds.
+            raise ConnectionClosed(error) from error  # type: ignore[no-untyped-call]
+        self.broker.leases.forget(row_id)
+
+    def requeue(self, messages: Iterable[MessageProxy]) -> None:
+        held = [(m.row_id, m.lease) for m in messages if isinstance(m, PostgresMessage)]
+        self._release(held)
+
+    def _release(self, held: list[tuple[int, int]]) -> None:
+        if not held:
+            return
+        try:
+            with queue.pooled(self.broker.database) as conn:
+                queue.release(conn, self.broker.schema, held)
+        except _DB_ERRORS as error:
+            logger.warning(
+                "could not give back %d message(s) (%s); they come back when their lease ends",
+                len(held),
+                type(error).__name__,
+            )
+        for row_id, _ in held:
+            self.broker.leases.forget(row_id)
+
+    def close(self) -> None:
+        self.broker.listener.unregister(self.queue_name, self._wake)
+        buffered = [(m.row_id, m.lease) for m in self._buffer]
+        self._buffer.clear()
+        self._release(buffered)

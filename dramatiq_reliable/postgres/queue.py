@@ -1,0 +1,194 @@
+"""The queue table's statements, one function each, so the broker and its consumers never hold SQL.
+
+Every function takes an open connection and leaves the transaction to the caller: an insert
+made on a bound connection joins the application's transaction, one made on a pooled
+autocommit connection commits at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import psycopg
+
+from .. import _sql
+from ..database import Database
+
+__all__ = [
+    "ClaimedRow",
+    "QueueCounts",
+    "ack",
+    "claim",
+    "counts",
+    "flush",
+    "heartbeat",
+    "insert",
+    "nack",
+    "pending",
+    "pooled",
+    "purge_dead",
+    "release",
+    "retry_in_place",
+]
+
+Held = Sequence[tuple[int, int]]
+
+
+@contextlib.contextmanager
+def pooled(database: Database, *, timeout_ms: int | None = None) -> Iterator[psycopg.Connection[Any]]:
+    """A pooled connection in autocommit (one round trip a statement), restored on return.
+
+    The pool may be the application's: a connection goes back as it came.
+    """
+    with database.connection(timeout_ms=timeout_ms) as conn:
+        previous = conn.autocommit
+        if not previous:
+            conn.rollback()
+            conn.autocommit = True
+        try:
+            yield conn
+        finally:
+            if not previous and not conn.closed and not conn.broken:
+                conn.autocommit = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimedRow:
+    """A row a consumer now holds: its id, the lease token it holds it by, and the message."""
+
+    id: int
+    lease: int
+    body: bytes
+    deliveries: int
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueCounts:
+    """One Postgres queue's numbers: ``ready`` to run now, ``delayed`` (an eta or a retry's
+    backoff), ``held`` by a consumer, ``dead`` (nacked, kept as ``.XQ``), and the age of the
+    oldest ready message."""
+
+    queue_name: str
+    ready: int
+    delayed: int
+    held: int
+    dead: int
+    oldest_ready_s: float | None
+
+    @property
+    def depth(self) -> int:
+        """Messages not yet done: ready, delayed and held."""
+        return self.ready + self.delayed + self.held
+
+
+def insert(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    *,
+    queue_name: str,
+    message_id: str,
+    actor_name: str,
+    body: bytes,
+    priority: int,
+    eta_ms: int | None,
+) -> None:
+    conn.execute(
+        _sql.query("queue_insert", schema),
+        {
+            "queue_name": queue_name,
+            "message_id": message_id,
+            "actor_name": actor_name,
+            "body": body,
+            "priority": priority,
+            "eta_ms": eta_ms,
+        },
+    )
+
+
+def claim(
+    conn: psycopg.Connection[Any], schema: str, *, queue_name: str, limit: int, lease: int, lease_ms: int
+) -> list[ClaimedRow]:
+    rows = (
+        _sql.tuples(conn)
+        .execute(
+            _sql.query("queue_claim", schema),
+            {"queue_name": queue_name, "limit": limit, "lease": lease, "lease_s": lease_ms / 1000},
+        )
+        .fetchall()
+    )
+    return [ClaimedRow(int(row[0]), lease, bytes(row[1]), int(row[2])) for row in rows]
+
+
+def _unzip(held: Held) -> dict[str, list[int]]:
+    return {"ids": [row_id for row_id, _ in held], "leases": [lease for _, lease in held]}
+
+
+def ack(conn: psycopg.Connection[Any], schema: str, held: Held) -> int:
+    """Delete acked rows (only those still held by the given leases); the number deleted."""
+    return conn.execute(_sql.query("queue_ack", schema), _unzip(held)).rowcount
+
+
+def heartbeat(conn: psycopg.Connection[Any], schema: str, held: Held, *, lease_ms: int) -> int:
+    """Extend the given leases; the number of rows still held."""
+    return conn.execute(_sql.query("queue_heartbeat", schema), {**_unzip(held), "lease_s": lease_ms / 1000}).rowcount
+
+
+def release(conn: psycopg.Connection[Any], schema: str, held: Held) -> int:
+    """Make held rows visible again now (no redelivery wait)."""
+    return conn.execute(_sql.query("queue_release", schema), _unzip(held)).rowcount
+
+
+def nack(conn: psycopg.Connection[Any], schema: str, *, row_id: int, lease: int, xq_name: str) -> tuple[int, int]:
+    """Take a failed message off its queue: (deleted because a dead letter holds it, kept as ``.XQ``)."""
+    row = (
+        _sql.tuples(conn)
+        .execute(_sql.query("queue_nack", schema), {"id": row_id, "lease": lease, "xq_name": xq_name})
+        .fetchone()
+    )
+    return (int(row[0]), int(row[1])) if row else (0, 0)
+
+
+def retry_in_place(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    *,
+    row_id: int,
+    lease: int,
+    body: bytes,
+    priority: int,
+    eta_ms: int | None,
+) -> bool:
+    """Turn the held row into its own retry; False if the lease was lost meanwhile."""
+    cursor = conn.execute(
+        _sql.query("queue_retry", schema),
+        {"id": row_id, "lease": lease, "body": body, "priority": priority, "eta_ms": eta_ms},
+    )
+    return cursor.rowcount == 1
+
+
+def pending(conn: psycopg.Connection[Any], schema: str, queue_name: str) -> int:
+    row = _sql.tuples(conn).execute(_sql.query("queue_pending", schema), {"queue_name": queue_name}).fetchone()
+    return int(row[0]) if row else 0
+
+
+def flush(conn: psycopg.Connection[Any], schema: str, queue_names: Sequence[str]) -> int:
+    return conn.execute(_sql.query("queue_flush", schema), {"queue_names": list(queue_names)}).rowcount
+
+
+def purge_dead(conn: psycopg.Connection[Any], schema: str, *, older_than_ms: int, batch_size: int) -> int:
+    return conn.execute(
+        _sql.query("queue_purge_dead", schema), {"older_than_s": older_than_ms / 1000, "batch_size": batch_size}
+    ).rowcount
+
+
+def counts(conn: psycopg.Connection[Any], schema: str) -> list[QueueCounts]:
+    rows = _sql.tuples(conn).execute(_sql.query("queue_stats", schema), {}).fetchall()
+    return [
+        QueueCounts(
+            row[0], int(row[1]), int(row[2]), int(row[3]), int(row[4]), None if row[5] is None else float(row[5])
+        )
+        for row in rows
+    ]
