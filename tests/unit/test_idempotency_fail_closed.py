@@ -11,8 +11,8 @@ from dramatiq.message import Message
 from dramatiq.middleware import MiddlewareError
 
 from dramatiq_reliable import MiddlewareFailed, ReliableError, events
-from dramatiq_reliable import idempotency as idempotency_module
 from dramatiq_reliable.idempotency import Idempotency, IdempotencyKeyError, payload_hash
+from dramatiq_reliable.idempotency import middleware as idempotency_middleware
 
 UNUSED_URL = "postgresql://nobody@127.0.0.1:1/never_opened"
 
@@ -55,7 +55,7 @@ def test_an_unexpected_error_in_the_check_stops_the_actor_and_the_message_is_ret
     def broken(*_: object) -> bytes:
         raise RuntimeError("a bug in the check")
 
-    monkeypatch.setattr(idempotency_module, "payload_hash", broken)
+    monkeypatch.setattr(idempotency_middleware, "payload_hash", broken)
     runs: list[int] = []
 
     @dramatiq.actor(max_retries=1, min_backoff=1, max_backoff=2)

@@ -1,49 +1,14 @@
-"""Idempotency: one effect per message, with the processed key committed in the job's own transaction.
-
-Delivery is at least once: a worker that dies after the work but before the ack, a relay that
-republishes after a lost confirm, or a producer that sends twice all run a job again.  The
-:class:`Idempotency` middleware gives every job a key and keeps the keys that ran in the
-``processed_jobs`` table, so a second run is recognised and acked without running the actor.
-
-* **transactional** (the default): before the actor runs, the middleware borrows a pooled
-  connection, opens a transaction and inserts the key as its first statement; the connection is
-  bound (:func:`~dramatiq_reliable.outbox.bind`) while the actor runs, so the actor's writes
-  (through :func:`connection`) and its ``send()`` calls join that transaction.  It commits when
-  the actor returns and rolls back when it raises: the key exists exactly when the effect does.
-  A concurrent duplicate waits on the uncommitted key's row lock, then sees it and skips.
-* **record**: for actors whose effect is outside Postgres.  The key is checked before the actor
-  runs and recorded after it returned, in its own short transaction.  A crash between the effect
-  and the record runs the job again, so pass :func:`external_key` to the provider.
-* **off**: the middleware leaves the actor alone.
-
-The key is the ``message_id`` (stable across retries, delay-queue moves and relay republishes)
-unless the actor option ``idempotency_key`` derives a business key from the arguments, or the
-message option ``idempotency_key`` names one.  Keys are namespaced by actor.  Reusing a key with
-other arguments fails the message with :class:`IdempotencyConflict` instead of skipping it, and
-a key that cannot be computed fails it with :class:`IdempotencyKeyError`: both are dead-lettered
-without running the actor.  If Postgres cannot be reached for the check the middleware fails
-closed: it raises :class:`~dramatiq_reliable.errors.DatabaseUnavailable`, the actor does not run
-and the retry middleware retries the message.
-
->>> broker = OutboxBroker(url="amqp://localhost", database="postgresql://app@localhost/app")  # doctest: +SKIP
->>> broker.add_middleware(Idempotency(), before=Callbacks)     # before actors are declared  # doctest: +SKIP
->>> @dramatiq.actor(idempotency_key=lambda order_id: f"invoice-{order_id}")   # doctest: +SKIP
-... def issue_invoice(order_id):
-...     job_connection().execute("INSERT INTO invoices (order_id) VALUES (%s)", (order_id,))
-"""
+"""The Idempotency middleware: check the key before the actor runs, commit it with the job's writes."""
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
-import hashlib
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, Literal, NoReturn, TypeVar, cast
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar, cast
 
 import dramatiq
 import psycopg
@@ -52,14 +17,14 @@ from dramatiq.errors import ActorNotFound
 from dramatiq.message import Message
 from dramatiq.middleware import Callbacks, Middleware, MiddlewareError, Pipelines, SkipMessage
 from dramatiq.worker import ConsumerThread
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import PoolTimeout
 
-from . import _sql, events
-from ._util import first_line as _first_line
-from ._util import type_name
-from .classify import Decision, backoff_ms, is_connection_failure
-from .database import Database, DatabaseLike
-from .errors import (
+from .. import _sql, events
+from .._util import first_line as _first_line
+from .._util import type_name
+from ..classify import Decision, backoff_ms, is_connection_failure
+from ..database import Database, DatabaseLike
+from ..errors import (
     ActorOptionError,
     CommitOutcomeUnknown,
     ConfigurationError,
@@ -68,13 +33,12 @@ from .errors import (
     IdempotencyKeyError,
     JobCommitFailed,
     MiddlewareFailed,
-    NoCurrentJob,
     SchemaNotReady,
 )
-from .outbox.binding import bind
-from .outbox.broker import OutboxBroker
-from .postgres.broker import PostgresBroker
-from .retries import (
+from ..outbox.binding import bind
+from ..outbox.broker import OutboxBroker
+from ..postgres.broker import PostgresBroker
+from ..retries import (
     RETRY_DECISION_KEY,
     ClassifiedRetries,
     RetryGaveUp,
@@ -83,39 +47,21 @@ from .retries import (
     delays_disabled,
     retry_event,
 )
-from .schema import IDEMPOTENCY_VERSION, ensure_ready
-
-__all__ = [
-    "ActorOptionError",
-    "Idempotency",
-    "IdempotencyCommitFailed",
-    "IdempotencyConflict",
-    "IdempotencyDuplicateSkipped",
-    "IdempotencyKeyError",
-    "IdempotencyKeyInvalid",
-    "IdempotencyKeyReused",
-    "IdempotencyKeysPurged",
-    "IdempotencyRecordFailed",
-    "IdempotencyUnavailable",
-    "Job",
-    "JobCommitFailed",
-    "Mode",
-    "NoCurrentJob",
-    "current_job",
-    "external_key",
-    "make_purge_actor",
-    "payload_hash",
-    "purge_expired",
-]
+from ..schema import IDEMPOTENCY_VERSION, ensure_ready
+from ._connections import autocommit
+from .context import MODES, Job, Mode, Running, current_running
+from .events import (
+    IdempotencyCommitFailed,
+    IdempotencyDuplicateSkipped,
+    IdempotencyKeyInvalid,
+    IdempotencyKeyReused,
+    IdempotencyRecordFailed,
+    IdempotencyUnavailable,
+)
+from .keys import MAX_KEY_BYTES, check_storable, describe_message, payload_hash
 
 logger = logging.getLogger("dramatiq_reliable.idempotency")
 
-
-Mode = Literal["transactional", "record", "off"]
-MODES: tuple[Mode, ...] = ("transactional", "record", "off")
-
-#: Keys past this many UTF-8 bytes are refused: they must fit a btree index entry with room to spare.
-MAX_KEY_BYTES = 1000
 DEFAULT_RETENTION_MS = 7 * 86_400_000
 #: Retries of a job whose COMMIT had an unknown outcome, apart from its ``max_retries``.
 DEFAULT_UNKNOWN_OUTCOME_RETRIES = 10
@@ -132,196 +78,8 @@ _MAX_PAUSE_S = 1.0
 _T = TypeVar("_T")
 
 
-# -- events -------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class IdempotencyDuplicateSkipped(events.Event):
-    """A job whose key already ran was acked without running the actor."""
-
-    name: ClassVar[str] = "idempotency.duplicate"
-    actor_name: str
-    message_id: str
-    key: str
-    mode: str
-    first_message_id: str
-    queue_name: str
-
-
-@dataclasses.dataclass(frozen=True)
-class IdempotencyKeyReused(events.Event):
-    """A key that ran was reused with other arguments; the message failed."""
-
-    name: ClassVar[str] = "idempotency.conflict"
-    level: ClassVar[int] = logging.ERROR
-    actor_name: str
-    message_id: str
-    key: str
-    first_message_id: str
-
-
-@dataclasses.dataclass(frozen=True)
-class IdempotencyUnavailable(events.Event):
-    """The key could not be checked (Postgres unreachable, schema missing): the actor did not run."""
-
-    name: ClassVar[str] = "idempotency.unavailable"
-    level: ClassVar[int] = logging.WARNING
-    actor_name: str
-    message_id: str
-    mode: str
-    error: str
-
-
-@dataclasses.dataclass(frozen=True)
-class IdempotencyKeyInvalid(events.Event):
-    """The key could not be computed; the message failed without running the actor."""
-
-    name: ClassVar[str] = "idempotency.key_invalid"
-    level: ClassVar[int] = logging.ERROR
-    actor_name: str
-    message_id: str
-    error: str
-
-
-@dataclasses.dataclass(frozen=True)
-class IdempotencyCommitFailed(events.Event):
-    """The actor returned but its transaction did not commit; the message was not acked as done."""
-
-    name: ClassVar[str] = "idempotency.commit_failed"
-    level: ClassVar[int] = logging.ERROR
-    actor_name: str
-    message_id: str
-    key: str
-    error: str
-    #: ``"unknown"``: the connection broke during COMMIT (the message is retried apart from its
-    #: budget); ``"failed"``: Postgres refused the commit (the retry middleware decides).
-    outcome: str
-
-
-@dataclasses.dataclass(frozen=True)
-class IdempotencyRecordFailed(events.Event):
-    """Record mode: the actor succeeded but its key could not be recorded; a redelivery would run it again."""
-
-    name: ClassVar[str] = "idempotency.record_failed"
-    level: ClassVar[int] = logging.WARNING
-    actor_name: str
-    message_id: str
-    key: str
-    error: str
-
-
-@dataclasses.dataclass(frozen=True)
-class IdempotencyKeysPurged(events.Event):
-    """Expired keys were deleted."""
-
-    name: ClassVar[str] = "idempotency.purged"
-    count: int
-    schema: str
-    duration_ms: float
-
-
 class _Swallowed(psycopg.errors.InFailedSqlTransaction):
     """The actor caught a database error inside the job's transaction, so it cannot commit."""
-
-
-# -- the job ------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """The idempotency identity of one message: which key it runs under, and how."""
-
-    actor_name: str
-    key: str
-    mode: Mode
-    message_id: str
-
-    def external_key(self, step: str) -> str:
-        """A key for an external API call made by this job, the same on every run of the job."""
-        return _external_key(self.actor_name, self.key, step)
-
-
-@dataclasses.dataclass(eq=False)
-class _Running:
-    """What the middleware holds between the before- and after-hooks of one message."""
-
-    job: Job
-    message: MessageProxy
-    payload_hash: bytes
-    retention_s: float
-    token: contextvars.Token[_Running | None] | None = None
-    conn: psycopg.Connection[Any] | None = None
-    pool: ConnectionPool[Any] | None = None
-    binding: contextlib.AbstractContextManager[Any] | None = None
-    restore_autocommit: bool = False
-
-
-# Before- and after-hooks of one message run in the same worker thread and context, so a
-# context variable carries the job from one to the other and is visible to the actor.
-_current: contextvars.ContextVar[_Running | None] = contextvars.ContextVar(
-    "dramatiq_reliable_idempotency_job", default=None
-)
-
-
-def current_job() -> Job:
-    """The job the calling actor is running as; raises :class:`NoCurrentJob` outside one."""
-    running = _current.get()
-    if running is None:
-        raise NoCurrentJob(
-            "current_job() was called outside a job run by the Idempotency middleware; call it from an "
-            "actor whose idempotency mode is 'transactional' or 'record'"
-        )
-    return running.job
-
-
-def job_connection() -> psycopg.Connection[Any]:
-    """The connection of the running job's transaction (transactional mode).
-
-    Write on it and the writes commit with the job's key or not at all.  Do not commit or roll
-    it back yourself; ``with conn.transaction():`` inside the actor makes a savepoint, which is fine.
-    """
-    running = _current.get()
-    if running is None or running.conn is None:
-        where = "outside a job" if running is None else f"in a job of mode {running.job.mode!r}"
-        raise NoCurrentJob(
-            f"job_connection() was called {where}; the job connection exists only while an actor with "
-            "idempotency='transactional' runs under the Idempotency middleware"
-        )
-    return running.conn
-
-
-def external_key(step: str) -> str:
-    """A deterministic idempotency key for one external call of the running job.
-
-    Derived from the actor, the job key and ``step`` (never random), so every retry and every
-    redelivery of the job sends the same key and the provider can recognise the repeat.
-
-    >>> stripe.PaymentIntent.create(..., idempotency_key=external_key("charge"))   # doctest: +SKIP
-    """
-    return current_job().external_key(step)
-
-
-def _external_key(actor_name: str, key: str, step: str) -> str:
-    if not isinstance(step, str) or not step:
-        raise ConfigurationError(f"step must be a non-empty string, got {step!r}; name the call, e.g. 'charge'")
-    digest = hashlib.sha256("\x00".join((actor_name, key, step)).encode()).hexdigest()
-    # 64 hex chars: far under every provider's limit (Stripe: 255) and free of separators.
-    return f"dr-{digest}"
-
-
-# What json.dumps(..., sort_keys=True, separators=(",", ":"), default=repr, ensure_ascii=False)
-# builds on every call, built once: the same bytes, so hashes stored by earlier versions still match.
-_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=repr, ensure_ascii=False)
-
-
-def payload_hash(args: tuple[Any, ...] | list[Any], kwargs: dict[str, Any]) -> bytes:
-    """sha256 of the canonical JSON of the arguments (keyword order does not matter).
-
-    An argument may hold a lone surrogate (JSON carries ``"\\ud800"`` escaped, so a message can):
-    ``surrogatepass`` hashes it instead of raising, and leaves the bytes of every other string,
-    and so every hash stored by earlier versions, unchanged.
-    """
-    return hashlib.sha256(_CANONICAL.encode([list(args), kwargs]).encode("utf-8", "surrogatepass")).digest()
 
 
 # -- the middleware -----------------------------------------------------------------------------
@@ -486,7 +244,7 @@ class Idempotency(Middleware):
         if mode == "off":
             if message.options.get("idempotency_key") is not None:
                 raise IdempotencyKeyError(
-                    f"{_where(message)} has an idempotency_key but idempotency is 'off' for it; drop the key or "
+                    f"{describe_message(message)} has an idempotency_key but idempotency is 'off' for it; drop the key or "
                     "send with idempotency='transactional'"
                 )
             return None
@@ -497,7 +255,7 @@ class Idempotency(Middleware):
         if mode is None:
             mode = actor.options.get("idempotency", self.default_mode)
         if mode not in MODES:
-            raise IdempotencyKeyError(f"{_where(message)} has idempotency={mode!r}; use one of {MODES!r}")
+            raise IdempotencyKeyError(f"{describe_message(message)} has idempotency={mode!r}; use one of {MODES!r}")
         return cast(Mode, mode)
 
     @staticmethod
@@ -512,21 +270,23 @@ class Idempotency(Middleware):
                 key = derive(*message.args, **message.kwargs)
             except Exception as error:
                 raise IdempotencyKeyError(
-                    f"{_where(message)}: {source} raised {type(error).__name__}: {error}; fix the key function or "
+                    f"{describe_message(message)}: {source} raised {type(error).__name__}: {error}; fix the key function or "
                     "the arguments (the actor did not run)"
                 ) from error
         else:
             message_id = str(message.message_id)
-            _check_storable(
+            check_storable(
                 message, "message id", message_id, "send it again with a fresh message (Dramatiq's own ids are UUIDs)"
             )
             return message_id
         if not isinstance(key, str) or not key:
-            raise IdempotencyKeyError(f"{_where(message)}: {source} gave {key!r}, not a non-empty string; {fix}")
-        _check_storable(message, f"the key from {source}", key, "build keys from IDs and plain text")
+            raise IdempotencyKeyError(
+                f"{describe_message(message)}: {source} gave {key!r}, not a non-empty string; {fix}"
+            )
+        check_storable(message, f"the key from {source}", key, "build keys from IDs and plain text")
         if len(key) * 4 > MAX_KEY_BYTES and len(key.encode()) > MAX_KEY_BYTES:  # at most 4 bytes a character
             raise IdempotencyKeyError(
-                f"{_where(message)}: the key from {source} is {len(key.encode())} bytes, over {MAX_KEY_BYTES}; "
+                f"{describe_message(message)}: the key from {source} is {len(key.encode())} bytes, over {MAX_KEY_BYTES}; "
                 "build keys from IDs, or hash long values"
             )
         return key
@@ -544,12 +304,12 @@ class Idempotency(Middleware):
         except Exception as error:
             # Swallowed, it would let a bad option through or a retry into a doomed transaction.
             raise MiddlewareFailed(
-                f"Idempotency could not check {_where(message)} before it was enqueued: {type(error).__name__}: "
+                f"Idempotency could not check {describe_message(message)} before it was enqueued: {type(error).__name__}: "
                 f"{_first_line(error)}; the message was not enqueued, report this as a bug"
             ) from error
 
     def _before_enqueue(self, broker: Broker, message: Message[Any]) -> None:
-        running = _current.get()
+        running = current_running.get()
         if running is not None and running.conn is not None and running.message._exception is not None:
             # The actor (or a later before-hook) raised and the transaction is going to roll back:
             # whatever is sent now (the retry, an on_failure callback) must not be written into it.
@@ -579,16 +339,16 @@ class Idempotency(Middleware):
         except MiddlewareError:
             raise
         except Exception as error:
-            running = _current.get()
+            running = current_running.get()
             if running is not None and running.message is message:
                 self._finish(running, commit=False)
             raise MiddlewareFailed(
-                f"Idempotency could not check {_where(message)}: {type(error).__name__}: {_first_line(error)}; "
+                f"Idempotency could not check {describe_message(message)}: {type(error).__name__}: {_first_line(error)}; "
                 "the actor did not run and the message will be retried"
             ) from error
 
     def _before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        stale = _current.get()
+        stale = current_running.get()
         if stale is not None:
             logger.error("idempotency state of message %s was never cleaned up; rolling it back", stale.job.message_id)
             self._finish(stale, commit=False)
@@ -605,12 +365,12 @@ class Idempotency(Middleware):
         if job is None:
             return
         database, schema_name = self.database_for(broker)
-        running = _Running(job, message, payload_hash(message.args, message.kwargs), self._retention_s(actor))
+        running = Running(job, message, payload_hash(message.args, message.kwargs), self._retention_s(actor))
         if job.mode == "transactional":
             self._claim(running, database, schema_name)
         else:
             self._check_recorded(running, database, schema_name)
-        running.token = _current.set(running)
+        running.token = current_running.set(running)
 
     def after_process_message(
         self,
@@ -620,7 +380,7 @@ class Idempotency(Middleware):
         result: Any | None = None,
         exception: BaseException | None = None,
     ) -> None:
-        running = _current.get()
+        running = current_running.get()
         if running is None or running.message is not message:
             return
         if exception is not None:
@@ -636,7 +396,7 @@ class Idempotency(Middleware):
 
     # -- a commit that failed -----------------------------------------------------------------
 
-    def _commit_failed(self, broker: Broker, message: MessageProxy, running: _Running, error: BaseException) -> None:
+    def _commit_failed(self, broker: Broker, message: MessageProxy, running: Running, error: BaseException) -> None:
         """Decide the fate of a job that returned but whose transaction did not commit.
 
         The message is never acked as if the job had succeeded: it is retried, or failed (and
@@ -734,7 +494,7 @@ class Idempotency(Middleware):
         events.emit(retry_event(RetryGaveUp, message, decision, "outcome_unknown", attempt))
 
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
-        running = _current.get()
+        running = current_running.get()
         if running is not None and running.message is message:
             self._finish(running, commit=False)
 
@@ -760,7 +520,7 @@ class Idempotency(Middleware):
 
     # -- transactional mode -------------------------------------------------------------------
 
-    def _claim(self, running: _Running, database: Database, schema_name: str) -> None:
+    def _claim(self, running: Running, database: Database, schema_name: str) -> None:
         job = running.job
         deadline = time.monotonic() + self._timeout_s(database)
         pause = _FIRST_PAUSE_S
@@ -791,7 +551,7 @@ class Idempotency(Middleware):
             self._end_transaction(running, commit=False)
             self._seen(running, stored)
 
-    def _claim_once(self, running: _Running, database: Database, schema_name: str, deadline: float) -> Any:
+    def _claim_once(self, running: Running, database: Database, schema_name: str, deadline: float) -> Any:
         """Borrow a connection, begin, claim the key; the stored row of a duplicate, else ``None``."""
         job = running.job
         params = _key_params(running)
@@ -847,7 +607,7 @@ class Idempotency(Middleware):
         while True:
             remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
             try:
-                with database.connection(timeout_ms=remaining_ms) as conn, _autocommit(conn):
+                with database.connection(timeout_ms=remaining_ms) as conn, autocommit(conn):
                     return work(conn)
             except psycopg.Error as error:
                 if not is_connection_failure(error) or time.monotonic() + pause >= deadline:
@@ -855,7 +615,7 @@ class Idempotency(Middleware):
             time.sleep(pause)
             pause = min(pause * 2, _MAX_PAUSE_S)
 
-    def _end_transaction(self, running: _Running, *, commit: bool) -> BaseException | None:
+    def _end_transaction(self, running: Running, *, commit: bool) -> BaseException | None:
         """Commit or roll back, unbind and return the connection; the error of a failed commit."""
         conn, pool, binding = running.conn, running.pool, running.binding
         restore_autocommit, running.restore_autocommit = running.restore_autocommit, False
@@ -898,7 +658,7 @@ class Idempotency(Middleware):
 
     # -- record mode --------------------------------------------------------------------------
 
-    def _check_recorded(self, running: _Running, database: Database, schema_name: str) -> None:
+    def _check_recorded(self, running: Running, database: Database, schema_name: str) -> None:
         job = running.job
         lookup = _sql.query("idempotency_lookup", schema_name)
 
@@ -915,7 +675,7 @@ class Idempotency(Middleware):
         if stored is not None:
             self._seen(running, stored)
 
-    def _record(self, running: _Running) -> None:
+    def _record(self, running: Running) -> None:
         job = running.job
         assert self._target is not None
         database, schema_name = self._target
@@ -945,7 +705,7 @@ class Idempotency(Middleware):
 
     # -- outcomes -----------------------------------------------------------------------------
 
-    def _seen(self, running: _Running, stored: Any) -> NoReturn:
+    def _seen(self, running: Running, stored: Any) -> NoReturn:
         """The key ran already: skip a duplicate, fail a conflicting reuse.  Always raises."""
         job = running.job
         stored_hash, first_message_id = bytes(stored[0]), str(stored[1])
@@ -984,109 +744,19 @@ class Idempotency(Middleware):
             f"{type(error).__name__}: {detail}; the actor did not run and the message will be retried"
         ) from error
 
-    def _finish(self, running: _Running, *, commit: bool) -> BaseException | None:
+    def _finish(self, running: Running, *, commit: bool) -> BaseException | None:
         """End the job: transaction, binding, connection and context variable."""
         try:
             return self._end_transaction(running, commit=commit)
         finally:
             if running.token is not None:
                 try:
-                    _current.reset(running.token)
+                    current_running.reset(running.token)
                 except ValueError:  # set in another context: never leave it behind
-                    _current.set(None)
+                    current_running.set(None)
                 running.token = None
-            elif _current.get() is running:
-                _current.set(None)
-
-
-# -- retention ----------------------------------------------------------------------------------
-
-
-def purge_expired(database: DatabaseLike, *, schema: str = _sql.DEFAULT_SCHEMA, batch_size: int = 5000) -> int:
-    """Delete expired keys in batches of ``batch_size``; return how many were deleted.
-
-    Each batch is its own short transaction, so a large backlog never holds long locks.  The
-    ``dramatiq-reliable idempotency purge`` command and :func:`make_purge_actor` call this.
-    """
-    schema_name = _sql.validate_schema(schema)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigurationError(f"batch_size must be a positive int, got {batch_size!r}")
-    database = Database.of(database)
-    started = time.perf_counter()
-    total = 0
-    with database.connection() as conn:
-        ensure_ready(conn, schema=schema_name, required=IDEMPOTENCY_VERSION, feature="idempotency")
-        conn.rollback()
-        with _autocommit(conn):
-            while True:
-                deleted = conn.execute(
-                    _sql.query("idempotency_purge", schema_name), {"batch_size": batch_size}
-                ).rowcount
-                total += deleted
-                if deleted < batch_size:
-                    break
-    events.emit(IdempotencyKeysPurged(total, schema_name, (time.perf_counter() - started) * 1000))
-    return total
-
-
-def make_purge_actor(
-    broker: Broker,
-    *,
-    database: DatabaseLike | None = None,
-    schema: str | None = None,
-    batch_size: int = 5000,
-    actor_name: str = "dramatiq_reliable_purge_idempotency_keys",
-    queue_name: str = "dramatiq_reliable",
-    **actor_options: Any,
-) -> dramatiq.Actor[[], int]:
-    """Declare on ``broker`` an actor that purges expired keys, for your scheduler to send.
-
-    The database and schema default to those of the broker's ``Idempotency`` middleware (or of
-    the ``OutboxBroker``).  The actor itself runs with ``idempotency="off"``.
-
-    >>> purge = make_purge_actor(broker)                              # doctest: +SKIP
-    >>> scheduler.add_job(purge.send, "cron", hour=3)                 # doctest: +SKIP
-    """
-    if database is None:
-        middleware = next((m for m in broker.middleware if isinstance(m, Idempotency)), None)
-        if middleware is not None:
-            database, default_schema = middleware.database_for(broker)
-        elif isinstance(broker, (OutboxBroker, PostgresBroker)):
-            database, default_schema = broker.database, broker.schema
-        else:
-            raise ConfigurationError(
-                f"make_purge_actor() found no database on a {type(broker).__name__}; pass database='postgresql://...'"
-            )
-    else:
-        database = Database.of(database)
-        default_schema = broker.schema if isinstance(broker, (OutboxBroker, PostgresBroker)) else _sql.DEFAULT_SCHEMA
-    schema_name = _sql.validate_schema(schema or default_schema)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigurationError(f"batch_size must be a positive int, got {batch_size!r}")
-    if "idempotency" in broker.actor_options:
-        actor_options.setdefault("idempotency", "off")
-    target = database
-
-    def purge_idempotency_keys() -> int:
-        return purge_expired(target, schema=schema_name, batch_size=batch_size)
-
-    decorate = dramatiq.actor(actor_name=actor_name, queue_name=queue_name, broker=broker, **actor_options)
-    return decorate(purge_idempotency_keys)
-
-
-# -- helpers ------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _autocommit(conn: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
-    """One-statement transactions on a pooled connection: no BEGIN/COMMIT round trips."""
-    previous = conn.autocommit
-    conn.autocommit = True
-    try:
-        yield conn
-    finally:
-        if not conn.closed and not conn.broken:
-            conn.autocommit = previous
+            elif current_running.get() is running:
+                current_running.set(None)
 
 
 def _check_retention(what: str, value: object, error: type[ConfigurationError]) -> None:
@@ -1094,33 +764,7 @@ def _check_retention(what: str, value: object, error: type[ConfigurationError]) 
         raise error(f"{what} must be a positive int of milliseconds, got {value!r}; e.g. 7 days is 604_800_000")
 
 
-def _check_storable(message: Message[Any] | MessageProxy, what: str, value: str, fix: str) -> None:
-    """Refuse text Postgres cannot store (a NUL, a lone surrogate) before any statement is sent.
-
-    Sent anyway, it would fail the claim with an error that looks like an outage, and the
-    message would be retried until its budget ran out.
-    """
-    problem = None
-    if "\x00" in value:
-        problem = "contains a NUL character"
-    else:
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            problem = "contains a lone surrogate"
-    if problem is not None:
-        raise IdempotencyKeyError(
-            f"{_where(message)}: {what} {value!r} {problem}, which Postgres text cannot store; {fix} "
-            "(the actor did not run)"
-        )
-
-
-def _where(message: Message[Any] | MessageProxy) -> str:
-    """The message an error is about; built only once there is an error."""
-    return f"message {message.message_id!r} for actor {message.actor_name!r}"
-
-
-def _key_params(running: _Running) -> dict[str, Any]:
+def _key_params(running: Running) -> dict[str, Any]:
     job = running.job
     return {
         "actor_name": job.actor_name,
@@ -1131,5 +775,5 @@ def _key_params(running: _Running) -> dict[str, Any]:
     }
 
 
-def _ids(running: _Running) -> tuple[str, str, str]:
+def _ids(running: Running) -> tuple[str, str, str]:
     return running.job.actor_name, running.job.message_id, running.job.key

@@ -1,0 +1,95 @@
+"""The running job: its identity, the connection of its transaction, and the helpers an actor calls."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Literal
+
+import psycopg
+from dramatiq.broker import MessageProxy
+from psycopg_pool import ConnectionPool
+
+from ..errors import NoCurrentJob
+from .keys import derive_external_key
+
+Mode = Literal["transactional", "record", "off"]
+MODES: tuple[Mode, ...] = ("transactional", "record", "off")
+
+
+# -- the job ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """The idempotency identity of one message: which key it runs under, and how."""
+
+    actor_name: str
+    key: str
+    mode: Mode
+    message_id: str
+
+    def external_key(self, step: str) -> str:
+        """A key for an external API call made by this job, the same on every run of the job."""
+        return derive_external_key(self.actor_name, self.key, step)
+
+
+@dataclasses.dataclass(eq=False)
+class Running:
+    """What the middleware holds between the before- and after-hooks of one message."""
+
+    job: Job
+    message: MessageProxy
+    payload_hash: bytes
+    retention_s: float
+    token: contextvars.Token[Running | None] | None = None
+    conn: psycopg.Connection[Any] | None = None
+    pool: ConnectionPool[Any] | None = None
+    binding: contextlib.AbstractContextManager[Any] | None = None
+    restore_autocommit: bool = False
+
+
+# Before- and after-hooks of one message run in the same worker thread and context, so a
+# context variable carries the job from one to the other and is visible to the actor.
+current_running: contextvars.ContextVar[Running | None] = contextvars.ContextVar(
+    "dramatiq_reliable_idempotency_job", default=None
+)
+
+
+def current_job() -> Job:
+    """The job the calling actor is running as; raises :class:`NoCurrentJob` outside one."""
+    running = current_running.get()
+    if running is None:
+        raise NoCurrentJob(
+            "current_job() was called outside a job run by the Idempotency middleware; call it from an "
+            "actor whose idempotency mode is 'transactional' or 'record'"
+        )
+    return running.job
+
+
+def job_connection() -> psycopg.Connection[Any]:
+    """The connection of the running job's transaction (transactional mode).
+
+    Write on it and the writes commit with the job's key or not at all.  Do not commit or roll
+    it back yourself; ``with conn.transaction():`` inside the actor makes a savepoint, which is fine.
+    """
+    running = current_running.get()
+    if running is None or running.conn is None:
+        where = "outside a job" if running is None else f"in a job of mode {running.job.mode!r}"
+        raise NoCurrentJob(
+            f"job_connection() was called {where}; the job connection exists only while an actor with "
+            "idempotency='transactional' runs under the Idempotency middleware"
+        )
+    return running.conn
+
+
+def external_key(step: str) -> str:
+    """A deterministic idempotency key for one external call of the running job.
+
+    Derived from the actor, the job key and ``step`` (never random), so every retry and every
+    redelivery of the job sends the same key and the provider can recognise the repeat.
+
+    >>> stripe.PaymentIntent.create(..., idempotency_key=external_key("charge"))   # doctest: +SKIP
+    """
+    return current_job().external_key(step)
