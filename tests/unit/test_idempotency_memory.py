@@ -7,12 +7,15 @@ from collections.abc import Iterator
 import dramatiq
 import pytest
 from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import Middleware
 
 from dramatiq_reliable import (
     ActorOptionError,
     ConfigurationError,
+    DatabaseUnavailable,
     Idempotency,
     IdempotencyConflict,
+    IdempotencyKeyError,
     IdempotencyStore,
 )
 from dramatiq_reliable.testing import InMemoryIdempotencyStore
@@ -95,4 +98,55 @@ def test_transactional_mode_is_refused_with_the_fix():
             @dramatiq.actor(broker=broker, idempotency="transactional")
             def write() -> None: ...
     finally:
+        broker.close()
+
+
+def test_a_message_asking_for_transactional_mode_fails_without_running(broker):
+    runs: list[int] = []
+
+    @dramatiq.actor(queue_name="default", broker=broker)
+    def work(n: int) -> None:
+        runs.append(n)
+
+    with pytest.raises(IdempotencyKeyError, match="idempotency='record'"):
+        work.send_with_options(args=(1,), idempotency="transactional")
+    assert runs == []
+
+
+class _Record(Middleware):
+    def __init__(self, seen: list[BaseException]) -> None:
+        self.seen = seen
+
+    def after_process_message(self, broker, message, *, result=None, exception=None):
+        if exception is not None:
+            self.seen.append(exception)
+
+
+class _BrokenStore(InMemoryIdempotencyStore):
+    def lookup(self, *, actor_name: str, key: str) -> None:
+        raise OSError("store down")
+
+
+def test_a_store_that_cannot_be_read_fails_closed():
+    broker = StubBroker(middleware=[Idempotency(store=_BrokenStore())])
+    broker.emit_after("process_boot")
+    worker = dramatiq.Worker(broker, worker_timeout=50)
+    worker.start()
+    runs: list[int] = []
+    try:
+
+        @dramatiq.actor(queue_name="default", broker=broker)
+        def work(n: int) -> None:
+            runs.append(n)
+
+        seen: list[BaseException] = []
+        broker.add_middleware(_Record(seen))
+        work.send(1)
+        broker.join("default")
+        worker.join()
+        assert runs == []
+        assert [type(e) for e in seen] == [DatabaseUnavailable]
+        assert "store down" in str(seen[0])
+    finally:
+        worker.stop()
         broker.close()
