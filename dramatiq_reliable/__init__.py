@@ -35,7 +35,14 @@ from .errors import (
     SchemaNotReady,
     Unrecoverable,
 )
-from .idempotency import Idempotency, current_job, external_key, job_connection
+from .idempotency import (
+    Idempotency,
+    IdempotencyStore,
+    PostgresIdempotencyStore,
+    current_job,
+    external_key,
+    job_connection,
+)
 from .outbox import OutboxBroker, Relay, RelayOptions, WorkerRelay, bind
 from .postgres import PostgresBroker
 from .retries import ClassifiedRetries, build_middleware, no_delays
@@ -59,6 +66,7 @@ __all__ = [
     "Idempotency",
     "IdempotencyConflict",
     "IdempotencyKeyError",
+    "IdempotencyStore",
     "JobCommitFailed",
     "MiddlewareFailed",
     "NoCurrentJob",
@@ -68,6 +76,7 @@ __all__ = [
     "PayloadError",
     "PostgresBroker",
     "PostgresDeadLetterStore",
+    "PostgresIdempotencyStore",
     "Relay",
     "RelayOptions",
     "ReliableError",

@@ -47,7 +47,9 @@ from .events import (
 )
 from .keys import payload_hash
 from .middleware import Idempotency
+from .protocol import IdempotencyStore, StoredKey
 from .purge import make_purge_actor, purge_expired
+from .store import PostgresIdempotencyStore
 
 __all__ = [
     "ActorOptionError",
@@ -60,11 +62,14 @@ __all__ = [
     "IdempotencyKeyReused",
     "IdempotencyKeysPurged",
     "IdempotencyRecordFailed",
+    "IdempotencyStore",
     "IdempotencyUnavailable",
     "Job",
     "JobCommitFailed",
     "Mode",
     "NoCurrentJob",
+    "PostgresIdempotencyStore",
+    "StoredKey",
     "current_job",
     "external_key",
     "job_connection",

@@ -59,6 +59,7 @@ from .events import (
     IdempotencyUnavailable,
 )
 from .keys import MAX_KEY_BYTES, check_storable, describe_message, payload_hash
+from .protocol import IdempotencyStore
 
 logger = logging.getLogger("dramatiq_reliable.idempotency")
 
@@ -102,7 +103,13 @@ class Idempotency(Middleware):
         an ``OutboxBroker`` and the broker's pool is used, so the job's ``send()`` calls join its
         transaction.
       schema: the schema of the tables; default the broker's (or ``dramatiq_reliable``).
-      default_mode: the mode of actors that do not choose one.
+      default_mode: the mode of actors that do not choose one; default ``"transactional"``, or
+        ``"record"`` with ``store=``.
+      store: an :class:`~.protocol.IdempotencyStore` to keep record-mode keys in instead of
+        Postgres, e.g. ``testing.InMemoryIdempotencyStore()`` to unit test actors under
+        ``StubBroker``.  Transactional mode is then refused (``ConfigurationError`` here,
+        ``ActorOptionError`` on an actor, ``IdempotencyKeyError`` on a message): it needs the
+        job's own Postgres transaction.
       retention_ms: how long a key dedupes; :func:`purge_expired` reclaims expired rows.
       connection_timeout_ms: how long the middleware keeps trying to check or record a key (a
         pooled connection, then the statement, again on a fresh connection after a
@@ -138,12 +145,22 @@ class Idempotency(Middleware):
         *,
         database: DatabaseLike | None = None,
         schema: str | None = None,
-        default_mode: Mode = "transactional",
+        default_mode: Mode | None = None,
         retention_ms: int = DEFAULT_RETENTION_MS,
         connection_timeout_ms: int | None = None,
         unknown_outcome_retries: int = DEFAULT_UNKNOWN_OUTCOME_RETRIES,
         unknown_outcome_backoff_ms: int = DEFAULT_UNKNOWN_OUTCOME_BACKOFF_MS,
+        store: IdempotencyStore | None = None,
     ) -> None:
+        if store is not None and (database is not None or schema is not None):
+            raise ConfigurationError("pass store= or database=/schema= to Idempotency, not both")
+        if store is not None and default_mode == "transactional":
+            raise ConfigurationError(
+                "transactional idempotency needs the job's Postgres transaction, which a store= cannot give; "
+                "use default_mode='record' (the default with store=) in unit tests"
+            )
+        if default_mode is None:
+            default_mode = "transactional" if store is None else "record"
         if default_mode not in MODES:
             raise ConfigurationError(f"default_mode must be one of {MODES!r}, got {default_mode!r}")
         _check_retention("retention_ms", retention_ms, ConfigurationError)
@@ -179,6 +196,7 @@ class Idempotency(Middleware):
         self.schema: str | None = None if schema is None else _sql.validate_schema(schema)
         self.default_mode: Mode = default_mode
         self.retention_ms = retention_ms
+        self.store: IdempotencyStore | None = store
         self._own_database = Database.of(database) if database is not None else None
         self._target: tuple[Database, str] | None = None
         self._schema_ready = False
@@ -210,11 +228,17 @@ class Idempotency(Middleware):
         return self._target
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
-        self.database_for(broker)
+        if self.store is None:
+            self.database_for(broker)
         options = actor.options
         mode = options.get("idempotency", self.default_mode)
         if mode not in MODES:
             raise ActorOptionError(f"actor {actor.actor_name!r}: idempotency must be one of {MODES!r}, got {mode!r}")
+        if mode == "transactional" and self.store is not None:
+            raise ActorOptionError(
+                f"actor {actor.actor_name!r} has idempotency='transactional', which needs a Postgres transaction "
+                "that Idempotency(store=...) cannot give; use idempotency='record' in unit tests"
+            )
         key = options.get("idempotency_key")
         if key is not None and not callable(key):
             raise ActorOptionError(
@@ -256,6 +280,11 @@ class Idempotency(Middleware):
             mode = actor.options.get("idempotency", self.default_mode)
         if mode not in MODES:
             raise IdempotencyKeyError(f"{describe_message(message)} has idempotency={mode!r}; use one of {MODES!r}")
+        if mode == "transactional" and self.store is not None:
+            raise IdempotencyKeyError(
+                f"{describe_message(message)} asks for idempotency='transactional', which Idempotency(store=...) "
+                "cannot give; send with idempotency='record'"
+            )
         return cast(Mode, mode)
 
     @staticmethod
@@ -364,8 +393,12 @@ class Idempotency(Middleware):
             raise
         if job is None:
             return
-        database, schema_name = self.database_for(broker)
         running = Running(job, message, payload_hash(message.args, message.kwargs), self._retention_s(actor))
+        if self.store is not None:
+            self._check_store(running, self.store)
+            running.token = current_running.set(running)
+            return
+        database, schema_name = self.database_for(broker)
         if job.mode == "transactional":
             self._claim(running, database, schema_name)
         else:
@@ -675,8 +708,37 @@ class Idempotency(Middleware):
         if stored is not None:
             self._seen(running, stored)
 
+    def _check_store(self, running: Running, store: IdempotencyStore) -> None:
+        job = running.job
+        try:
+            stored = store.lookup(actor_name=job.actor_name, key=job.key)
+        except Exception as error:
+            self._unavailable(job, error, type(store).__name__)
+        if stored is not None:
+            self._seen(running, stored)
+
     def _record(self, running: Running) -> None:
         job = running.job
+        if self.store is not None:
+            try:
+                inserted = self.store.record(
+                    actor_name=job.actor_name,
+                    key=job.key,
+                    payload_hash=running.payload_hash,
+                    message_id=job.message_id,
+                    retention_s=running.retention_s,
+                )
+            except Exception as error:
+                events.emit(IdempotencyRecordFailed(*_ids(running), _first_line(error)))
+                return
+            if not inserted:
+                logger.warning(
+                    "record mode: key %r of actor %r was recorded by another run while message %s ran",
+                    job.key,
+                    job.actor_name,
+                    job.message_id,
+                )
+            return
         assert self._target is not None
         database, schema_name = self._target
         claim = _sql.query("idempotency_claim", schema_name)

@@ -31,7 +31,7 @@ from dramatiq.errors import BrokerConnectionError
 from .._util import rabbitmq_error, rabbitmq_reason
 from ..errors import BrokerUnavailable
 
-__all__ = ["Publication", "PublishOutcome", "Publisher"]
+__all__ = ["Publication", "PublishOutcome", "Publisher", "bounded"]
 
 logger = logging.getLogger("dramatiq_reliable.outbox.publisher")
 
@@ -63,13 +63,29 @@ class PublishOutcome:
     timed_out: set[int] = dataclasses.field(default_factory=set)
 
 
+def bounded(parameters: Any, *, blocked_timeout_s: float) -> Any:
+    """``parameters`` (one ``pika.ConnectionParameters`` or a list) with the blocked wait bounded.
+
+    A connection RabbitMQ blocks (a memory or disk alarm) is dropped after ``blocked_timeout_s``
+    instead of holding the relay forever, unless the URL sets ``blocked_connection_timeout``.
+    pika already bounds the connect (``socket_timeout`` 10 s, ``stack_timeout`` 15 s), and a
+    silent partition during a publish ends at the confirm timeout.  The heartbeat is left to the
+    URL and the server (60 s): the relay does not service a heartbeat while it waits for rows, so a
+    shorter one would only drop idle connections.
+    """
+    for item in parameters if isinstance(parameters, list) else [parameters]:
+        if item.blocked_connection_timeout is None:
+            item.blocked_connection_timeout = blocked_timeout_s
+    return parameters
+
+
 class Publisher:
     """Publishes batches to RabbitMQ with pipelined confirms.  Not thread-safe: one per relay thread."""
 
     def __init__(self, parameters: Any, *, max_priority: int | None = None, confirm_timeout_ms: int = 30_000) -> None:
         self._declarer = RabbitmqBroker(middleware=[], max_priority=max_priority)
-        self._declarer.parameters = parameters
         self._confirm_timeout_s = confirm_timeout_ms / 1000
+        self._declarer.parameters = bounded(parameters, blocked_timeout_s=self._confirm_timeout_s)
         self._channel: Any = None  # pika.channel.Channel (the asynchronous one) in confirm mode
         self._blocking_channel: Any = None
         self._next_tag = 0

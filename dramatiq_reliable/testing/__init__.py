@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 from ..outbox.broker import OutboxBroker
 from ..outbox.relay import Relay
 from .dead_letters import InMemoryDeadLetterStore
+from .idempotency import InMemoryIdempotencyStore
 
-__all__ = ["InMemoryDeadLetterStore", "drain_outbox", "wait_for"]
+__all__ = ["InMemoryDeadLetterStore", "InMemoryIdempotencyStore", "drain_outbox", "wait_for"]
 
 T = TypeVar("T")
 
