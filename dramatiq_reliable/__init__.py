@@ -32,6 +32,8 @@ from .errors import (
     OutboxWriteError,
     PayloadError,
     ReliableError,
+    ScheduleDisabled,
+    ScheduleNotFound,
     SchemaNotReady,
     Unrecoverable,
 )
@@ -81,6 +83,8 @@ __all__ = [
     "RelayOptions",
     "ReliableError",
     "ReplayResult",
+    "ScheduleDisabled",
+    "ScheduleNotFound",
     "Scheduler",
     "SchemaNotReady",
     "Tracing",

@@ -18,6 +18,8 @@ Every error here says what went wrong and ends with the fix, and every one is a
           ├── IdempotencyKeyError       (also SkipMessage) a job key that cannot be computed
           ├── IdempotencyConflict       (also SkipMessage) a key reused with other arguments
           ├── NoCurrentJob              (also LookupError) job helpers called outside a job
+          ├── ScheduleNotFound          (also LookupError) no schedule of that name; see 'schedules list'
+          ├── ScheduleDisabled          a schedule removed from code cannot be triggered
           └── JobCommitFailed           the actor returned but its transaction did not commit
                └── CommitOutcomeUnknown the connection broke during COMMIT: it may have landed
 
@@ -51,6 +53,8 @@ __all__ = [
     "OutboxWriteError",
     "PayloadError",
     "ReliableError",
+    "ScheduleDisabled",
+    "ScheduleNotFound",
     "SchemaNotReady",
     "Unrecoverable",
 ]
@@ -197,5 +201,17 @@ class CommitOutcomeUnknown(JobCommitFailed):
     the key and skips if the commit did land).  Distinct so that retries, dead letters and
     metrics can tell an unknown outcome from a commit the server refused.
     """
+
+    __module__ = _PUBLIC_MODULE
+
+
+class ScheduleNotFound(ReliableError, LookupError):
+    """A schedule asked for by name is not stored; the message says how to see the names."""
+
+    __module__ = _PUBLIC_MODULE
+
+
+class ScheduleDisabled(ReliableError):
+    """A schedule no longer declared in code cannot be triggered; the message names the fix."""
 
     __module__ = _PUBLIC_MODULE
