@@ -1,4 +1,4 @@
-"""The ``dramatiq-reliable`` command: schema, relay, outbox, idempotency keys, dead letters, status.
+"""The ``dramatiq-reliable`` command: schema, relay, outbox, idempotency keys, dead letters, schedules, status.
 
 The only place that reads the environment: ``DATABASE_URL`` and ``RABBITMQ_URL`` give the
 defaults of ``--database-url`` and ``--rabbitmq-url``.  Command output goes to stdout; errors,
@@ -25,7 +25,7 @@ import psycopg
 
 from .._util import first_line, rabbitmq_reason, redact
 from ..errors import BrokerUnavailable, ConfigurationError, DatabaseUnavailable, ReliableError, SchemaNotReady
-from . import dead_letters, dev, idempotency, migrate, outbox, relay, status
+from . import dead_letters, dev, idempotency, migrate, outbox, relay, schedules, status
 from .common import EXIT_CODE_HELP, PROG, ExitCode, Parser, UsageError, common_parents, duration_ms, print_error
 
 __all__ = ["ExitCode", "build_parser", "common_parents", "duration_ms", "main"]
@@ -72,6 +72,7 @@ def build_parser() -> Parser:
     outbox.register(commands, [common])
     idempotency.register(commands, [common])
     dead_letters.register(commands, [common])
+    schedules.register(commands, [common])
     status.register(commands, [common, rabbit])
     dev.register(commands, [])
     return parser
