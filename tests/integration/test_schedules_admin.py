@@ -164,3 +164,17 @@ def test_to_json_gives_each_time_in_utc_and_in_the_schedules_zone(loop, database
     assert local.hour == 3 and local == dt.datetime.fromisoformat(data["next_fire_at"])
     assert data["last_fire_at"] is None and data["last_fire_at_local"] is None
     json.dumps(data)  # every value is a JSON value
+
+
+def test_a_trigger_in_a_millisecond_that_has_a_tick_returns_that_run_and_writes_nothing(loop, database, db, db_schema):
+    # A tick already recorded for every millisecond of the next 5 seconds: as a first click would leave.
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (schedule_name, fire_at, message_id, state, reason) "
+            "SELECT 'nightly', ms, 'first-click', 'enqueued', 'manual' FROM generate_series("
+            "date_trunc('milliseconds', clock_timestamp()), clock_timestamp() + interval '5 seconds', "
+            "interval '1 millisecond') AS ms"
+        ).format(sql.Identifier(db_schema, "schedule_ticks"))
+    )
+    assert trigger_schedule(database, "nightly", schema=db_schema) == "first-click"
+    assert _count(db, db_schema, "outbox") == 0
