@@ -18,6 +18,7 @@ Every error here says what went wrong and ends with the fix, and every one is a
           ├── IdempotencyKeyError       (also SkipMessage) a job key that cannot be computed
           ├── IdempotencyConflict       (also SkipMessage) a key reused with other arguments
           ├── NoCurrentJob              (also LookupError) job helpers called outside a job
+          ├── CheckpointError           (also ValueError) a checkpoint misused: wrong type, moved backwards
           └── JobCommitFailed           the actor returned but its transaction did not commit
                └── CommitOutcomeUnknown the connection broke during COMMIT: it may have landed
 
@@ -177,6 +178,16 @@ class IdempotencyConflict(ReliableError, SkipMessage):
 
 class NoCurrentJob(ReliableError, LookupError):
     """:func:`~dramatiq_reliable.job_connection`, ``current_job`` or ``external_key`` used outside a job."""
+
+    __module__ = _PUBLIC_MODULE
+
+
+class CheckpointError(ReliableError, ValueError):
+    """A checkpoint used wrongly: a watermark of the wrong type, or one that would move backwards.
+
+    Raised before anything is written; the job's transaction is left as it was, so raising it
+    out of the actor rolls the job back and the window is offered again on the next run.
+    """
 
     __module__ = _PUBLIC_MODULE
 
