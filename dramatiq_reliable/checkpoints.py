@@ -122,7 +122,9 @@ def checkpoint(
             )
         conn = running.conn
     elif not isinstance(conn, psycopg.Connection):
-        raise CheckpointError(f"conn must be a psycopg Connection, got {type(conn).__name__!r}; pass conn=None in a job")
+        raise CheckpointError(
+            f"conn must be a psycopg Connection, got {type(conn).__name__!r}; pass conn=None in a job"
+        )
     if schema is None:
         schema = running.schema if running is not None and running.schema else _sql.DEFAULT_SCHEMA
     schema = _sql.validate_schema(schema)
@@ -130,15 +132,19 @@ def checkpoint(
 
     with conn.transaction():
         try:
-            row = _sql.tuples(conn).execute(
-                _sql.query("checkpoint_lock", schema),
-                {
-                    "name": name,
-                    "initial_at": initial if kind is dt.datetime else None,
-                    "initial_id": initial if kind is int else None,
-                    "lag_s": lag_ms / 1000,
-                },
-            ).fetchone()
+            row = (
+                _sql.tuples(conn)
+                .execute(
+                    _sql.query("checkpoint_lock", schema),
+                    {
+                        "name": name,
+                        "initial_at": initial if kind is dt.datetime else None,
+                        "initial_id": initial if kind is int else None,
+                        "lag_s": lag_ms / 1000,
+                    },
+                )
+                .fetchone()
+            )
         except psycopg.errors.UndefinedTable as error:
             raise SchemaNotReady(
                 f"checkpoint table {schema!r}.'checkpoints' does not exist; run 'dramatiq-reliable migrate'"
