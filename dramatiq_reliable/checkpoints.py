@@ -125,6 +125,13 @@ def checkpoint(
         raise CheckpointError(
             f"conn must be a psycopg Connection, got {type(conn).__name__!r}; pass conn=None in a job"
         )
+    if conn.closed:
+        raise CheckpointError(f"checkpoint({name!r}) was given a closed connection; pass an open one")
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+        raise CheckpointError(
+            f"checkpoint({name!r}) was given a connection whose transaction has failed; "
+            "roll it back (or let the job fail) before opening a checkpoint"
+        )
     if schema is None:
         schema = running.schema if running is not None and running.schema else _sql.DEFAULT_SCHEMA
     schema = _sql.validate_schema(schema)

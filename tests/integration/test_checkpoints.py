@@ -134,6 +134,22 @@ def test_a_retry_after_a_commit_whose_outcome_is_unknown_repeats_the_window(data
     assert _stored(db, db_schema, "ids") == (None, 20, None)
 
 
+def test_a_closed_connection_or_a_failed_transaction_is_refused_with_the_fix(database_url, db_schema):
+    conn = psycopg.connect(database_url)
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        conn.execute("SELECT 1 / 0")
+    with pytest.raises(CheckpointError, match="transaction has failed; roll it back"):
+        _open_on(conn, db_schema)
+    conn.close()
+    with pytest.raises(CheckpointError, match="closed connection; pass an open one"):
+        _open_on(conn, db_schema)
+
+
+def _open_on(conn: psycopg.Connection[Any], schema: str) -> None:
+    with checkpoint("ids", initial=0, conn=conn, schema=schema):
+        pass
+
+
 def test_without_the_schema_migrated_the_error_says_to_migrate(database_url, unmigrated_schema):
     with pytest.raises(SchemaNotReady, match="run 'dramatiq-reliable migrate'"):
         _run(database_url, unmigrated_schema, "ids", 0)

@@ -7,6 +7,7 @@ import datetime as dt
 import pytest
 
 from dramatiq_reliable import CheckpointError, CheckpointWindow, NoCurrentJob, ReliableError, checkpoint
+from dramatiq_reliable.idempotency.context import Job, Running, current_running
 
 UTC = dt.timezone.utc
 T0 = dt.datetime(2026, 1, 1, tzinfo=UTC)
@@ -89,3 +90,13 @@ def test_an_integer_window_keeps_its_watermark_until_advanced_and_refuses_other_
 def test_checkpoint_errors_are_reliable_errors_and_value_errors():
     assert issubclass(CheckpointError, ReliableError)
     assert issubclass(CheckpointError, ValueError)
+
+
+def test_in_a_record_mode_job_without_conn_says_there_is_no_job_connection():
+    job = Job("sync", "k", "record", "m-1")
+    token = current_running.set(Running(job, None, b"", 0.0))  # type: ignore[arg-type]
+    try:
+        with pytest.raises(NoCurrentJob, match=r"in a job of mode 'record' with no conn="):
+            _open("ids", initial=0)
+    finally:
+        current_running.reset(token)
