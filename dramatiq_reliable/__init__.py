@@ -7,6 +7,7 @@ sub-modules stay importable for their less common names, such as the event recor
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
+from .checkpoints import CheckpointWindow, checkpoint
 from .classify import Decision, classify
 from .database import Database
 from .dead_letters import (
@@ -20,6 +21,7 @@ from .dead_letters import (
 from .errors import (
     ActorOptionError,
     BrokerUnavailable,
+    CheckpointError,
     CommitOutcomeUnknown,
     ConfigurationError,
     DatabaseUnavailable,
@@ -55,6 +57,8 @@ from .tracing import Tracing
 __all__ = [
     "ActorOptionError",
     "BrokerUnavailable",
+    "CheckpointError",
+    "CheckpointWindow",
     "ClassifiedRetries",
     "CommitOutcomeUnknown",
     "ConfigurationError",
@@ -92,6 +96,7 @@ __all__ = [
     "WorkerRelay",
     "bind",
     "build_middleware",
+    "checkpoint",
     "classify",
     "current_job",
     "external_key",

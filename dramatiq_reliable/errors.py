@@ -20,6 +20,7 @@ Every error here says what went wrong and ends with the fix, and every one is a
           ├── NoCurrentJob              (also LookupError) job helpers called outside a job
           ├── ScheduleNotFound          (also LookupError) no schedule of that name; see 'schedules list'
           ├── ScheduleDisabled          a schedule removed from code cannot be triggered
+          ├── CheckpointError           (also ValueError) a checkpoint misused: wrong type, moved backwards
           └── JobCommitFailed           the actor returned but its transaction did not commit
                └── CommitOutcomeUnknown the connection broke during COMMIT: it may have landed
 
@@ -181,6 +182,16 @@ class IdempotencyConflict(ReliableError, SkipMessage):
 
 class NoCurrentJob(ReliableError, LookupError):
     """:func:`~dramatiq_reliable.job_connection`, ``current_job`` or ``external_key`` used outside a job."""
+
+    __module__ = _PUBLIC_MODULE
+
+
+class CheckpointError(ReliableError, ValueError):
+    """A checkpoint used wrongly: a watermark of the wrong type, or one that would move backwards.
+
+    Raised before anything is written; the job's transaction is left as it was, so raising it
+    out of the actor rolls the job back and the window is offered again on the next run.
+    """
 
     __module__ = _PUBLIC_MODULE
 

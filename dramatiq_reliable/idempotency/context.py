@@ -48,6 +48,8 @@ class Running:
     pool: ConnectionPool[Any] | None = None
     binding: contextlib.AbstractContextManager[Any] | None = None
     restore_autocommit: bool = False
+    # the schema of the job's key, so helpers on the job connection (checkpoints) use the same one
+    schema: str | None = None
 
 
 # Before- and after-hooks of one message run in the same worker thread and context, so a

@@ -399,6 +399,7 @@ class Idempotency(Middleware):
             running.token = current_running.set(running)
             return
         database, schema_name = self.database_for(broker)
+        running.schema = schema_name
         if job.mode == "transactional":
             self._claim(running, database, schema_name)
         else:
