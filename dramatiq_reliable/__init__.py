@@ -48,6 +48,7 @@ from .postgres import PostgresBroker
 from .retries import ClassifiedRetries, build_middleware, no_delays
 from .scheduler import Scheduler, schedule
 from .schema import migrate, migration_sql
+from .singleton import Singleton, current_lease
 from .tracing import Tracing
 
 __all__ = [
@@ -83,6 +84,7 @@ __all__ = [
     "ReplayResult",
     "Scheduler",
     "SchemaNotReady",
+    "Singleton",
     "Tracing",
     "Unrecoverable",
     "WorkerRelay",
@@ -90,6 +92,7 @@ __all__ = [
     "build_middleware",
     "classify",
     "current_job",
+    "current_lease",
     "external_key",
     "job_connection",
     "migrate",
