@@ -40,6 +40,7 @@ from . import _sql, events
 from ._util import check_ms, first_line, is_int
 from .database import Database, DatabaseLike
 from .errors import ActorOptionError, ConfigurationError, DatabaseUnavailable, MiddlewareFailed
+from .idempotency._connections import autocommit  # the pool's connections keep their mode
 from .outbox.binding import bind
 from .outbox.broker import OutboxBroker
 from .postgres.broker import PostgresBroker
@@ -316,8 +317,7 @@ class Singleton(Middleware):
             return
         database, schema = self.database_for(broker)
         try:
-            with database.connection() as conn:
-                conn.autocommit = True
+            with database.connection() as conn, autocommit(conn):
                 row = (
                     _sql.tuples(conn)
                     .execute(
@@ -416,11 +416,14 @@ class Singleton(Middleware):
         with self._lock:
             self._held.pop(threading.get_ident(), None)
         database, schema = self.database_for(broker)
+        params = {"key": lease.key, "token": lease.token}
         try:
+            with database.connection() as conn, autocommit(conn):
+                if conn.execute(_sql.query("singleton_release_plain", schema), params).fetchone() is not None:
+                    return
+            # A message is buffered (or the lease was lost): delete and send in one transaction.
             with database.connection() as conn, conn.transaction(), bind(conn):
-                row = conn.execute(
-                    _sql.query("singleton_release", schema), {"key": lease.key, "token": lease.token}
-                ).fetchone()
+                row = conn.execute(_sql.query("singleton_release", schema), params).fetchone()
                 if row is not None and row[3] is not None:
                     self._send_buffered(broker, row)
         except Exception as error:
@@ -459,8 +462,7 @@ class Singleton(Middleware):
         if not held:
             return
         database, schema = self.database_for(broker)
-        with database.connection() as conn:
-            conn.autocommit = True
+        with database.connection() as conn, autocommit(conn):
             rows = conn.execute(
                 _sql.query("singleton_renew", schema),
                 {"lease_ms": self.lease_ms, "keys": [h.key for h in held], "tokens": [h.token for h in held]},

@@ -185,3 +185,72 @@ def test_postgres_down_fails_closed_so_the_actor_cannot_run(broker, queue_name):
     assert isinstance(caught.value, MiddlewareError)
     assert "password" not in str(caught.value)
     assert current_lease() is None
+
+
+def test_the_heartbeat_keeps_a_long_run_s_lease_and_reports_a_lease_taken_over(
+    broker, queue_name, worker, db, db_schema, seen
+):
+    middleware = _install(broker, lease_ms=600, when_held="skip")
+    release = threading.Event()
+    started: list[int] = []
+
+    @dramatiq.actor(queue_name=queue_name, broker=broker, singleton=True)
+    def long_run() -> None:
+        started.append(1)
+        release.wait(10)
+
+    table = sql.Identifier(db_schema, "singleton_leases")
+    worker.start()
+    long_run.send()
+    wait_for(lambda: started, message="the run never started")
+    (first,) = db.execute(sql.SQL("SELECT token, expires_at FROM {}").format(table)).fetchall()
+    # Past three lease lengths the lease is still this run's, renewed, not lapsed.
+    wait_for(
+        lambda: (
+            db.execute(sql.SQL("SELECT expires_at FROM {}").format(table)).fetchone()[0] > first[1]
+            and db.execute("SELECT now() - %s > interval '1.8 s'", (first[1],)).fetchone()[0]
+        ),
+        timeout_ms=10_000,
+        message="the lease was not renewed",
+    )
+    (still,) = db.execute(sql.SQL("SELECT token, expires_at > now() FROM {}").format(table)).fetchall()
+    assert still == (first[0], True)
+    # Another run takes the key over (as after a lapse): the heartbeat notices and says so.
+    db.execute(sql.SQL("UPDATE {} SET token = token + 1000").format(table))
+    middleware.renew(broker)
+    release.set()
+    lost = [e.as_attributes() for e in seen if e.name == "singleton.lease_lost"]
+    assert lost, "the heartbeat did not report the lease taken over"
+    assert lost[0]["token"] == first[0] and lost[0]["key"] == long_run.actor_name
+
+
+def test_a_message_buffered_under_a_dead_holder_is_sent_once_its_lease_lapses(
+    broker, queue_name, worker, db, db_schema
+):
+    middleware = _install(broker, when_held="buffer")
+    runs: list[int] = []
+
+    @dramatiq.actor(queue_name=queue_name, broker=broker, singleton=True)
+    def job(n: int) -> None:
+        runs.append(n)
+
+    table = sql.Identifier(db_schema, "singleton_leases")
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (key, token, message_id, owner, expires_at) "
+            "VALUES (%s, 1, 'dead', 'dead-host:1', now() + interval '1 hour')"
+        ).format(table),
+        (job.actor_name,),
+    )
+    worker.start()
+    job.send(5)
+    wait_for(
+        lambda: db.execute(sql.SQL("SELECT buffered_body IS NOT NULL FROM {}").format(table)).fetchone() == (True,),
+        timeout_ms=15000,
+        message="the message was not buffered",
+    )
+    assert middleware.sweep(broker) == 0  # the holder's lease is live: nothing to hand on
+    db.execute(sql.SQL("UPDATE {} SET expires_at = now() - interval '1 second'").format(table))
+    assert middleware.sweep(broker) == 1
+    wait_for(lambda: runs == [5], timeout_ms=15000, message="the buffered message never ran")
+    wait_for(lambda: not _leases(db, db_schema), message="the lease was not released")
