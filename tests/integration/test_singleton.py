@@ -13,7 +13,7 @@ from dramatiq.middleware import Callbacks, MiddlewareError
 from psycopg import sql
 from support import closed_port
 
-from dramatiq_reliable import Database, DatabaseUnavailable, OutboxBroker, WorkerRelay, events
+from dramatiq_reliable import Database, DatabaseUnavailable, OutboxBroker, Tracing, WorkerRelay, events
 from dramatiq_reliable.singleton import Singleton, current_lease
 from dramatiq_reliable.testing import wait_for
 
@@ -254,3 +254,39 @@ def test_a_message_buffered_under_a_dead_holder_is_sent_once_its_lease_lapses(
     assert middleware.sweep(broker) == 1
     wait_for(lambda: runs == [5], timeout_ms=15000, message="the buffered message never ran")
     wait_for(lambda: not _leases(db, db_schema), message="the lease was not released")
+
+
+def test_under_tracing_a_held_key_marks_the_span_and_counts_by_action(broker, queue_name, worker, otel):
+    tracing = Tracing(tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider, health_cache_ms=0)
+    broker.add_middleware(tracing, before=Callbacks)
+    _install(broker, when_held="skip")
+    release = threading.Event()
+    started: list[int] = []
+
+    @dramatiq.actor(queue_name=queue_name, broker=broker, singleton=True)
+    def nightly(n: int) -> None:
+        started.append(n)
+        release.wait(10)
+
+    try:
+        worker.start()
+        nightly.send(1)
+        wait_for(lambda: started, message="the first run never started")
+        nightly.send(2)
+        wait_for(
+            lambda: (
+                otel.total("dramatiq_reliable.singleton_held", **{"dramatiq_reliable.singleton.held": "skipped"}) == 1
+            ),
+            timeout_ms=15000,
+            message="the held key was not counted",
+        )
+        release.set()
+        wait_for(
+            lambda: [s for s in otel.spans() if s.attributes.get("dramatiq_reliable.singleton.held") == "skipped"],
+            timeout_ms=15000,
+            message="the skipped attempt's span was not marked",
+        )
+    finally:
+        release.set()
+        tracing.close()
+    assert started == [1]
