@@ -468,8 +468,12 @@ class Singleton(Middleware):
                 {"lease_ms": self.lease_ms, "keys": [h.key for h in held], "tokens": [h.token for h in held]},
             ).fetchall()
         renewed = {row[0] for row in rows}
+        with self._lock:
+            # A run that released its lease while the renewal ran is gone from _held (it is
+            # dropped before the row is deleted): only leases still held here were taken over.
+            running = {id(lease) for lease in self._held.values()}
         for lease in held:
-            if lease.key not in renewed and not lease.lost:
+            if lease.key not in renewed and not lease.lost and id(lease) in running:
                 lease.lost = True
                 events.emit(SingletonLeaseLost(lease.actor_name, lease.message_id, lease.key, lease.token))
 
