@@ -288,12 +288,8 @@ class Singleton(Middleware):
     # -- hooks --------------------------------------------------------------------------------
 
     def after_worker_boot(self, broker: Broker, worker: Any) -> None:
-        if any(self.key_for_options(broker.get_actor(name)) for name in broker.get_declared_actors()):
+        if any(_is_singleton(broker.get_actor(name)) for name in broker.get_declared_actors()):
             self._start_heartbeat(broker)
-
-    @staticmethod
-    def key_for_options(actor: dramatiq.Actor[Any, Any]) -> bool:
-        return bool(actor.options.get("singleton") or actor.options.get("concurrency_key"))
 
     def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
         self._stop.set()
@@ -485,3 +481,7 @@ class Singleton(Middleware):
             for row in rows:
                 self._send_buffered(broker, tuple(row))
         return len(rows)
+
+
+def _is_singleton(actor: dramatiq.Actor[Any, Any]) -> bool:
+    return bool(actor.options.get("singleton") or actor.options.get("concurrency_key"))
