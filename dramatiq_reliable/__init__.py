@@ -52,6 +52,7 @@ from .postgres import PostgresBroker
 from .retries import ClassifiedRetries, build_middleware, no_delays
 from .scheduler import Scheduler, schedule
 from .schema import migrate, migration_sql
+from .singleton import Singleton, current_lease
 from .tracing import Tracing
 
 __all__ = [
@@ -91,6 +92,7 @@ __all__ = [
     "ScheduleNotFound",
     "Scheduler",
     "SchemaNotReady",
+    "Singleton",
     "Tracing",
     "Unrecoverable",
     "WorkerRelay",
@@ -99,6 +101,7 @@ __all__ = [
     "checkpoint",
     "classify",
     "current_job",
+    "current_lease",
     "external_key",
     "job_connection",
     "migrate",

@@ -63,6 +63,8 @@ class EventBridge:
                 attempt.retry_event_seen = True
             elif name == names.DUPLICATE_EVENT:
                 attempt.span.set_attribute(names.DUPLICATE, True)
+            elif name == names.SINGLETON_HELD_EVENT:
+                attempt.span.set_attribute(names.SINGLETON_HELD, str(fields.get("action")))
         elif finished is not None and message_id == finished.message_id:
             # Emitted from the ack/nack hooks, after the attempt's span ended: a short child.
             destination = finished.destination
@@ -81,6 +83,11 @@ class EventBridge:
         if name == names.DUPLICATE_EVENT:
             queue = destination or fields.get("queue_name")
             self._instruments.duplicates.add(1, {names.MESSAGING_DESTINATION_NAME: str(queue)} if queue else {})
+        elif name == names.SINGLETON_HELD_EVENT:
+            held = {names.SINGLETON_HELD: str(fields.get("action"))}
+            if destination:
+                held[names.MESSAGING_DESTINATION_NAME] = destination
+            self._instruments.singleton_held.add(1, held)
 
 
 class _Fields:

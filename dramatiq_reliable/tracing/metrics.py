@@ -42,6 +42,7 @@ class Instruments:
     retries: Counter
     dead_lettered: Counter
     duplicates: Counter
+    singleton_held: Counter
 
     @classmethod
     def create(cls, meter: metrics.Meter) -> Instruments:
@@ -78,6 +79,11 @@ class Instruments:
                 names.METRIC_DUPLICATES_SKIPPED,
                 unit="{message}",
                 description="Messages skipped by Idempotency as duplicates of one that already ran.",
+            ),
+            singleton_held=meter.create_counter(
+                names.METRIC_SINGLETON_HELD,
+                unit="{message}",
+                description="Runs that found their singleton key held, by action (skipped, postponed, buffered).",
             ),
         )
 

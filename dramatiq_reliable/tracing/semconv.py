@@ -47,6 +47,7 @@ __all__ = [
     "METRIC_PROCESS_DURATION",
     "METRIC_QUEUE_DEPTH",
     "METRIC_RETRIES",
+    "METRIC_SINGLETON_HELD",
     "OPERATION_CREATE",
     "OPERATION_PROCESS",
     "OPERATION_SEND",
@@ -61,6 +62,8 @@ __all__ = [
     "RETRY_OUTCOME",
     "RETRY_REASON",
     "RETRY_SCHEDULED_EVENT",
+    "SINGLETON_HELD",
+    "SINGLETON_HELD_EVENT",
     "SYSTEM_DRAMATIQ",
     "SYSTEM_RABBITMQ",
     "span_name",
@@ -107,6 +110,8 @@ RETRY_ATTEMPT: Final = "dramatiq_reliable.retry.attempt"
 RETRY_DELAY_MS: Final = "dramatiq_reliable.retry.delay_ms"
 DEAD_LETTERED: Final = "dramatiq_reliable.dead_lettered"
 DUPLICATE: Final = "dramatiq_reliable.idempotency.duplicate"
+#: What became of a run whose singleton key was held: ``skipped``, ``postponed`` or ``buffered``.
+SINGLETON_HELD: Final = "dramatiq_reliable.singleton.held"
 REPLAY_COUNT: Final = "dramatiq_reliable.replay.count"
 QUEUE_KIND: Final = "dramatiq_reliable.queue.kind"
 #: Why a span links to another: ``creation``, ``origin`` or ``previous_attempt``.
@@ -118,6 +123,7 @@ LINK_ROLE_PREVIOUS_ATTEMPT: Final = "previous_attempt"
 METRIC_RETRIES: Final = "dramatiq_reliable.retries"
 METRIC_DEAD_LETTERED: Final = "dramatiq_reliable.dead_lettered"
 METRIC_DUPLICATES_SKIPPED: Final = "dramatiq_reliable.duplicates_skipped"
+METRIC_SINGLETON_HELD: Final = "dramatiq_reliable.singleton_held"
 METRIC_OUTBOX_BACKLOG: Final = "dramatiq_reliable.outbox.backlog"
 METRIC_OUTBOX_OLDEST_AGE: Final = "dramatiq_reliable.outbox.oldest_age"
 METRIC_DEAD_LETTERS_PENDING: Final = "dramatiq_reliable.dead_letters.pending"
@@ -130,6 +136,7 @@ RETRY_GAVE_UP_EVENT: Final = "retry.gave_up"
 RETRY_EVENT_PREFIX: Final = "retry."
 DEAD_LETTERED_EVENT: Final = "dead_lettered"
 DUPLICATE_EVENT: Final = "idempotency.duplicate"
+SINGLETON_HELD_EVENT: Final = "singleton.held"
 RELAY_BATCH_EVENT: Final = "outbox.batch_published"
 
 #: Event fields are free text (error messages): span attributes copied from them are cut here.

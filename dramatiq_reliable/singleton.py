@@ -1,0 +1,487 @@
+"""Singleton actors: runs that share a concurrency key never overlap, whoever sent them.
+
+A run takes a *lease row* in ``singleton_leases`` before the actor starts, on a short
+autocommit statement of its own, renews it from a heartbeat thread while the actor runs and
+deletes it when the run ends.  A worker that dies (SIGKILL, a lost host) stops renewing, and the
+lease lapses ``lease_ms`` later.  Session advisory locks were not used: a pooled connection keeps
+them after it is returned (psycopg_pool only rolls back), and PgBouncer in transaction mode hands
+the session to someone else, so the lock outlives the run or belongs to a stranger.  A lease row
+is a plain row written in short transactions, so it is safe behind any pool and behind PgBouncer
+in session *or* transaction mode.
+
+Every acquisition takes a new *fencing token* from the ``singleton_tokens`` sequence; the job
+reads it with :func:`current_lease` and can guard its writes with it, so a run whose lease
+lapsed (a long GC pause, a partitioned worker) cannot overwrite the work of its successor.
+
+This module lives at the top of the package, not in ``scheduler/``: any sender's messages can be
+singletons, and a worker that runs no schedules needs none of the scheduler.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import uuid
+from typing import Any, Literal, cast
+
+import dramatiq
+import psycopg
+from dramatiq.broker import Broker, MessageProxy
+from dramatiq.errors import ActorNotFound
+from dramatiq.message import Message
+from dramatiq.middleware import Middleware, SkipMessage
+from psycopg import sql
+
+from . import _sql, events
+from ._util import check_ms, first_line, is_int
+from .database import Database, DatabaseLike
+from .errors import ActorOptionError, ConfigurationError, DatabaseUnavailable, MiddlewareFailed
+from .idempotency._connections import autocommit  # the pool's connections keep their mode
+from .outbox.binding import bind
+from .outbox.broker import OutboxBroker
+from .postgres.broker import PostgresBroker
+
+__all__ = [
+    "WHEN_HELD",
+    "Lease",
+    "Singleton",
+    "SingletonHeld",
+    "SingletonLeaseLost",
+    "SingletonReleaseFailed",
+    "current_lease",
+]
+
+logger = logging.getLogger("dramatiq_reliable.singleton")
+
+WhenHeld = Literal["skip", "retry", "buffer"]
+#: What a run does when another run holds its key.
+WHEN_HELD: tuple[WhenHeld, ...] = ("skip", "retry", "buffer")
+DEFAULT_LEASE_MS = 30_000
+DEFAULT_RETRY_DELAY_MS = 5_000
+#: The message option counting postponements: kept apart from ``retries`` (and ``max_retries``).
+POSTPONED_KEY = "singleton_postponed"
+_OPTIONS = frozenset({"singleton", "concurrency_key", "singleton_when_held", "singleton_retry_delay_ms"})
+_MAX_KEY_CHARS = 1000
+# How many lapsed leases with a buffered message one heartbeat hands on.
+_SWEEP_LIMIT = 100
+
+
+# -- events -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SingletonHeld(events.Event):
+    """A run did not start because another run holds its key; ``action`` says what became of it:
+    ``"skipped"``, ``"postponed"`` (re-enqueued after ``delay_ms``) or ``"buffered"``."""
+
+    name = "singleton.held"
+    actor_name: str
+    message_id: str
+    key: str
+    action: str
+    delay_ms: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SingletonLeaseLost(events.Event):
+    """The heartbeat found the lease taken over (it lapsed): the run goes on unprotected; jobs that
+    guard their writes with the fencing token are safe."""
+
+    name = "singleton.lease_lost"
+    level = logging.WARNING
+    actor_name: str
+    message_id: str
+    key: str
+    token: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SingletonReleaseFailed(events.Event):
+    """The lease could not be deleted after the run; it lapses after ``lease_ms``."""
+
+    name = "singleton.release_failed"
+    level = logging.WARNING
+    actor_name: str
+    message_id: str
+    key: str
+    error: str
+
+
+# -- the job's view -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Lease:
+    """The lease the current run holds: its key and fencing token (larger for every later holder)."""
+
+    key: str
+    token: int
+    message_id: str
+    actor_name: str
+    #: Set by the heartbeat when another run took the key over after this lease lapsed.
+    lost: bool = False
+
+
+_current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("dramatiq_reliable_singleton", default=None)
+
+
+def current_lease() -> Lease | None:
+    """The lease of the singleton run on this thread, or ``None`` outside one.
+
+    Guard a write with the token so that a run whose lease lapsed cannot undo its successor's::
+
+        lease = current_lease()
+        conn.execute("UPDATE report SET body = %s, token = %s WHERE id = 1 AND token <= %s",
+                     (body, lease.token, lease.token))
+    """
+    return _current.get()
+
+
+# -- the middleware -----------------------------------------------------------------------------
+
+
+class Singleton(Middleware):
+    """At most one run per concurrency key at a time, across every worker and host.
+
+    Actor options (declared on ``@dramatiq.actor``):
+      singleton: ``True`` to make the actor's name the key.
+      concurrency_key: a callable taking the actor's arguments and returning the key, e.g.
+        ``lambda account_id: f"sync-{account_id}"``; implies a singleton.
+      singleton_when_held: ``"skip"`` (ack it unrun), ``"retry"`` (re-enqueue it after
+        ``singleton_retry_delay_ms``, not counted against ``max_retries``) or ``"buffer"`` (keep
+        one message in the lease row, sent when the key is released; more are skipped);
+        default ``when_held``.
+      singleton_retry_delay_ms: the delay of ``"retry"``; default ``retry_delay_ms``.
+
+    No worker thread waits for a key: a held key is settled at once and the thread moves on.
+
+    Parameters:
+      database: where ``singleton_leases`` lives; omit it with an ``OutboxBroker`` or a
+        ``PostgresBroker`` to share theirs (a buffered message is then sent in the release's
+        transaction).
+      schema: the schema of the tables; default the broker's.
+      lease_ms: how long a lease outlives a holder that stopped renewing it (a killed worker);
+        the heartbeat renews every ``lease_ms / 3``.
+      when_held, retry_delay_ms: the defaults of the actor options above.
+
+    Order of a postponed or buffered message and the ack: the copy is made durable first (an
+    outbox or queue row, a RabbitMQ delay-queue publish, or the lease row's buffer) and the
+    original is acked after, by ``SkipMessage``; a crash in between duplicates the message,
+    never loses it.  A release deletes the lease and sends the buffered message in one
+    transaction on an ``OutboxBroker``/``PostgresBroker``; on other brokers the message is sent
+    first and the lease deleted after.  Postgres down while acquiring fails closed: the actor
+    does not run and ``DatabaseUnavailable`` lets the retry middleware retry it.
+
+    Put it before ``Idempotency`` (so a postponed message never claims its key):
+
+    >>> broker.add_middleware(Singleton(), before=Idempotency)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        database: DatabaseLike | None = None,
+        schema: str | None = None,
+        lease_ms: int = DEFAULT_LEASE_MS,
+        when_held: WhenHeld = "retry",
+        retry_delay_ms: int = DEFAULT_RETRY_DELAY_MS,
+    ) -> None:
+        check_ms("lease_ms", lease_ms, minimum=300, fix="e.g. lease_ms=30_000, longer than a GC pause or a failover")
+        check_ms("retry_delay_ms", retry_delay_ms, fix="e.g. retry_delay_ms=5_000")
+        if when_held not in WHEN_HELD:
+            raise ConfigurationError(
+                f"when_held must be one of {WHEN_HELD!r}, got {when_held!r}; e.g. when_held='retry'"
+            )
+        self.schema: str | None = None if schema is None else _sql.validate_schema(schema)
+        self.lease_ms = lease_ms
+        self.when_held: WhenHeld = when_held
+        self.retry_delay_ms = retry_delay_ms
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._own_database = Database.of(database) if database is not None else None
+        self._target: tuple[Database, str] | None = None
+        self._held: dict[int, Lease] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    @property
+    def actor_options(self) -> set[str]:
+        return set(_OPTIONS)
+
+    # -- configuration ------------------------------------------------------------------------
+
+    def database_for(self, broker: Broker) -> tuple[Database, str]:
+        """The database and schema the leases of ``broker``'s actors live in."""
+        if self._target is None:
+            shared = isinstance(broker, (OutboxBroker, PostgresBroker))
+            if self._own_database is not None:
+                database = self._own_database
+                default_schema = broker.schema if shared else _sql.DEFAULT_SCHEMA  # type: ignore[attr-defined]
+            elif shared:
+                database, default_schema = broker.database, broker.schema  # type: ignore[attr-defined]
+            else:
+                raise ActorOptionError(
+                    f"Singleton has no database on a {type(broker).__name__}; pass database=, "
+                    "or use dramatiq_reliable.OutboxBroker whose pool it shares"
+                )
+            self._target = (database, self.schema or default_schema)
+        return self._target
+
+    def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
+        options = actor.options
+        name = actor.actor_name
+        flag = options.get("singleton")
+        key = options.get("concurrency_key")
+        if flag is not None and not isinstance(flag, bool):
+            raise ActorOptionError(
+                f"actor {name!r}: singleton must be True or False, got {flag!r}; write singleton=True"
+            )
+        if key is not None and not callable(key):
+            raise ActorOptionError(
+                f"actor {name!r}: concurrency_key must be a callable taking the actor's arguments, got {key!r}; "
+                "write e.g. concurrency_key=lambda account_id: f'sync-{account_id}'"
+            )
+        if flag is False and key is not None:
+            raise ActorOptionError(f"actor {name!r} has singleton=False and a concurrency_key; remove one of them")
+        when = options.get("singleton_when_held")
+        if when is not None and when not in WHEN_HELD:
+            raise ActorOptionError(f"actor {name!r}: singleton_when_held must be one of {WHEN_HELD!r}, got {when!r}")
+        delay = options.get("singleton_retry_delay_ms")
+        if delay is not None and (not is_int(delay) or delay < 0):
+            raise ActorOptionError(
+                f"actor {name!r}: singleton_retry_delay_ms must be an int >= 0 (milliseconds), got {delay!r}"
+            )
+        if not (flag or key) and (when is not None or delay is not None):
+            raise ActorOptionError(
+                f"actor {name!r} sets singleton_when_held or singleton_retry_delay_ms but is no singleton; "
+                "add singleton=True or a concurrency_key"
+            )
+        if flag or key:
+            self.database_for(broker)
+
+    def key_for(self, actor: dramatiq.Actor[Any, Any], message: Message[Any] | MessageProxy) -> str | None:
+        """The concurrency key of ``message``, or ``None`` when its actor is no singleton.
+
+        Raises :class:`ActorOptionError` when the key function fails or gives no usable key.
+        """
+        derive = actor.options.get("concurrency_key")
+        if derive is None:
+            return actor.actor_name if actor.options.get("singleton") else None
+        try:
+            key: object = derive(*message.args, **message.kwargs)
+        except Exception as error:
+            raise ActorOptionError(
+                f"message {message.message_id!r} of {message.actor_name!r}: concurrency_key raised "
+                f"{type(error).__name__}: {first_line(error)}; fix the key function or the arguments"
+            ) from error
+        if not isinstance(key, str) or not key or len(key) > _MAX_KEY_CHARS or "\x00" in key:
+            raise ActorOptionError(
+                f"message {message.message_id!r} of {message.actor_name!r}: concurrency_key gave {key!r}, not a "
+                f"non-empty string of at most {_MAX_KEY_CHARS} characters; build keys from IDs and plain text"
+            )
+        return key
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
+        if any(_is_singleton(broker.get_actor(name)) for name in broker.get_declared_actors()):
+            self._start_heartbeat(broker)
+
+    def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        _current.set(None)
+        try:
+            actor = broker.get_actor(message.actor_name)
+        except ActorNotFound:
+            return
+        try:
+            key = self.key_for(actor, message)
+        except ActorOptionError as error:
+            # A key that cannot be computed will not be computable on a retry: dead-letter it.
+            logger.error("%s", error)
+            message.fail()
+            raise SkipMessage(str(error)) from error
+        if key is None:
+            return
+        database, schema = self.database_for(broker)
+        try:
+            with database.connection() as conn, autocommit(conn):
+                row = (
+                    _sql.tuples(conn)
+                    .execute(
+                        _sql.query("singleton_acquire", schema),
+                        {
+                            "key": key,
+                            "tokens": sql.Identifier(schema, "singleton_tokens").as_string(conn),
+                            "message_id": message.message_id,
+                            "owner": self.owner,
+                            "lease_ms": self.lease_ms,
+                        },
+                    )
+                    .fetchone()
+                )
+                if row is not None:
+                    lease = Lease(key, int(row[0]), message.message_id, message.actor_name)
+                    if row[1]:
+                        conn.execute(_sql.query("singleton_clear_buffer", schema), {"key": key, "token": lease.token})
+                    self._hold(lease)
+                    return
+                self._settle_held(broker, conn, schema, actor, message, key)
+        except (SkipMessage, DatabaseUnavailable, MiddlewareFailed):
+            raise
+        except (psycopg.Error, OSError, TimeoutError) as error:
+            raise DatabaseUnavailable(
+                f"Singleton could not take the lease {key!r} for message {message.message_id!r}: "
+                f"{type(error).__name__}: {first_line(error)}; the actor did not run and the message will be retried "
+                "once Postgres answers"
+            ) from error
+        except Exception as error:
+            raise MiddlewareFailed(
+                f"Singleton could not take the lease {key!r} for message {message.message_id!r}: "
+                f"{type(error).__name__}: {first_line(error)}; the actor did not run, report this as a bug"
+            ) from error
+
+    def _settle_held(
+        self,
+        broker: Broker,
+        conn: psycopg.Connection[Any],
+        schema: str,
+        actor: dramatiq.Actor[Any, Any],
+        message: MessageProxy,
+        key: str,
+    ) -> None:
+        when = actor.options.get("singleton_when_held", self.when_held)
+        if when == "buffer":
+            row = conn.execute(
+                _sql.query("singleton_buffer", schema),
+                {
+                    "key": key,
+                    "queue_name": message.queue_name,
+                    "actor_name": message.actor_name,
+                    "message_id": message.message_id,
+                    "body": cast("Message[Any]", message).encode(),
+                },
+            ).fetchone()
+            action = "buffered" if row is not None else "skipped"
+            events.emit(SingletonHeld(message.actor_name, message.message_id, key, action))
+            raise SkipMessage(f"singleton key {key!r} is held; the message was {action}")
+        if when == "retry":
+            delay = int(actor.options.get("singleton_retry_delay_ms", self.retry_delay_ms))
+            postponed = message.options.get(POSTPONED_KEY, 0)
+            message.options[POSTPONED_KEY] = (postponed if is_int(postponed) else 0) + 1
+            # Durable first, ack after (SkipMessage): a crash in between duplicates, never loses.
+            broker.enqueue(cast("Message[Any]", message), delay=delay or None)
+            events.emit(SingletonHeld(message.actor_name, message.message_id, key, "postponed", delay))
+            raise SkipMessage(f"singleton key {key!r} is held; the message was postponed by {delay} ms")
+        events.emit(SingletonHeld(message.actor_name, message.message_id, key, "skipped"))
+        raise SkipMessage(f"singleton key {key!r} is held; the message was skipped")
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any | None = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        self._release(broker, message)
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        self._release(broker, message)
+
+    # -- leases -------------------------------------------------------------------------------
+
+    def _hold(self, lease: Lease) -> None:
+        with self._lock:
+            self._held[threading.get_ident()] = lease
+        _current.set(lease)
+
+    def _release(self, broker: Broker, message: MessageProxy) -> None:
+        lease = _current.get()
+        if lease is None or lease.message_id != message.message_id:
+            return
+        _current.set(None)
+        with self._lock:
+            self._held.pop(threading.get_ident(), None)
+        database, schema = self.database_for(broker)
+        params = {"key": lease.key, "token": lease.token}
+        try:
+            with database.connection() as conn, autocommit(conn):
+                if conn.execute(_sql.query("singleton_release_plain", schema), params).fetchone() is not None:
+                    return
+            # A message is buffered (or the lease was lost): delete and send in one transaction.
+            with database.connection() as conn, conn.transaction(), bind(conn):
+                row = conn.execute(_sql.query("singleton_release", schema), params).fetchone()
+                if row is not None and row[3] is not None:
+                    self._send_buffered(broker, row)
+        except Exception as error:
+            events.emit(
+                SingletonReleaseFailed(
+                    lease.actor_name, lease.message_id, lease.key, f"{type(error).__name__}: {first_line(error)}"
+                )
+            )
+
+    @staticmethod
+    def _send_buffered(broker: Broker, row: tuple[Any, ...]) -> None:
+        # Inside the release's transaction, bound: on an OutboxBroker/PostgresBroker the send is a
+        # row of that transaction, so the lease goes and the message comes in one commit.
+        buffered = Message.decode(bytes(row[3]))
+        broker.enqueue(buffered)
+
+    def _start_heartbeat(self, broker: Broker) -> None:
+        if self._heartbeat is None:
+            self._heartbeat = threading.Thread(
+                target=self._beat, args=(broker,), name="dramatiq-reliable-singleton", daemon=True
+            )
+            self._heartbeat.start()
+
+    def _beat(self, broker: Broker) -> None:
+        while not self._stop.wait(self.lease_ms / 3000):
+            try:
+                self.renew(broker)
+                self.sweep(broker)
+            except Exception:
+                logger.warning("singleton heartbeat failed; leases lapse unless the next one succeeds", exc_info=True)
+
+    def renew(self, broker: Broker) -> None:
+        """Push back the expiry of every lease this process holds (the heartbeat calls it)."""
+        with self._lock:
+            held = list(self._held.values())
+        if not held:
+            return
+        database, schema = self.database_for(broker)
+        with database.connection() as conn, autocommit(conn):
+            rows = conn.execute(
+                _sql.query("singleton_renew", schema),
+                {"lease_ms": self.lease_ms, "keys": [h.key for h in held], "tokens": [h.token for h in held]},
+            ).fetchall()
+        renewed = {row[0] for row in rows}
+        with self._lock:
+            # A run that released its lease while the renewal ran is gone from _held (it is
+            # dropped before the row is deleted): only leases still held here were taken over.
+            running = {id(lease) for lease in self._held.values()}
+        for lease in held:
+            if lease.key not in renewed and not lease.lost and id(lease) in running:
+                lease.lost = True
+                events.emit(SingletonLeaseLost(lease.actor_name, lease.message_id, lease.key, lease.token))
+
+    def sweep(self, broker: Broker) -> int:
+        """Hand on the buffered messages of lapsed leases (a dead holder's); returns how many."""
+        database, schema = self.database_for(broker)
+        with database.connection() as conn, conn.transaction(), bind(conn):
+            rows = conn.execute(_sql.query("singleton_sweep", schema), {"limit": _SWEEP_LIMIT}).fetchall()
+            for row in rows:
+                self._send_buffered(broker, tuple(row))
+        return len(rows)
+
+
+def _is_singleton(actor: dramatiq.Actor[Any, Any]) -> bool:
+    return bool(actor.options.get("singleton") or actor.options.get("concurrency_key"))

@@ -1,0 +1,47 @@
+"""A worker process for the singleton acceptance tests: a PostgresBroker worker with ``Singleton``.
+
+Every run of the singleton ``job`` records its start and its end (with this process's pid) in
+``runs``; with ``STALL=1`` the run never ends, so the test can kill the process holding the key.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import dramatiq
+import psycopg
+from psycopg import sql
+
+from dramatiq_reliable import PostgresBroker, Singleton
+
+DATABASE_URL, SCHEMA, QUEUE = os.environ["DATABASE_URL"], os.environ["SCHEMA"], os.environ["QUEUE"]
+broker = PostgresBroker(database=DATABASE_URL, schema=SCHEMA, lease_ms=2000)
+broker.add_middleware(Singleton(lease_ms=int(os.environ["SINGLETON_LEASE_MS"]), retry_delay_ms=50))
+dramatiq.set_broker(broker)
+RUNS = sql.Identifier(SCHEMA, "runs")
+
+
+@dramatiq.actor(queue_name=QUEUE, actor_name="job", max_retries=0, singleton=True)
+def job(n: int) -> None:
+    with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+        row = conn.execute(
+            sql.SQL("INSERT INTO {} (n, pid) VALUES (%s, %s) RETURNING id").format(RUNS), (n, os.getpid())
+        ).fetchone()
+        assert row is not None
+        if os.environ.get("STALL") == "1":
+            time.sleep(600)
+        time.sleep(0.05)  # the work: long enough for the other process to try the key meanwhile
+        conn.execute(sql.SQL("UPDATE {} SET finished_at = clock_timestamp() WHERE id = %s").format(RUNS), (row[0],))
+
+
+if __name__ == "__main__":
+    worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=100)
+    worker.start()
+    print("started", flush=True)
+    try:
+        sys.stdin.read()  # until the test closes stdin (or kills us)
+    finally:
+        worker.stop()
+        broker.close()

@@ -1,0 +1,138 @@
+"""Singleton actors across worker processes: never two runs at once, and a killed holder frees the key."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+from psycopg import sql
+
+from dramatiq_reliable import PostgresBroker
+from dramatiq_reliable.testing import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.acceptance]
+
+APP = Path(__file__).with_name("singleton_worker_app.py")
+LEASE_MS = 3000
+
+
+def _worker(database_url: str, schema: str, queue: str, *, stall: bool) -> subprocess.Popen[str]:
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "SCHEMA": schema,
+        "QUEUE": queue,
+        "STALL": "1" if stall else "0",
+        "SINGLETON_LEASE_MS": str(LEASE_MS),
+    }
+    return subprocess.Popen(
+        [sys.executable, str(APP)], env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    )
+
+
+def _stop(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None and process.stdin is not None:
+        process.stdin.close()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+    if process.stdin is not None:
+        process.stdin.close()
+
+
+@pytest.fixture
+def runs(db: psycopg.Connection[Any], db_schema: str) -> sql.Composed:
+    table = sql.Identifier(db_schema, "runs")
+    db.execute(
+        sql.SQL(
+            "CREATE TABLE {} (id serial PRIMARY KEY, n int, pid int, "
+            "started_at timestamptz NOT NULL DEFAULT clock_timestamp(), finished_at timestamptz)"
+        ).format(table)
+    )
+    return sql.SQL("SELECT n, pid, started_at, finished_at FROM {} ORDER BY started_at").format(table)
+
+
+@pytest.fixture
+def broker(database_url: str, db_schema: str) -> Iterator[PostgresBroker]:
+    sender = PostgresBroker(database=database_url, schema=db_schema)
+    yield sender
+    sender.close()
+
+
+def _send(broker: PostgresBroker, queue: str, numbers: range) -> None:
+    task = broker.actors.get("job") or dramatiq.actor(lambda n: None, actor_name="job", queue_name=queue, broker=broker)
+    with broker.transaction():
+        for n in numbers:
+            task.send(n)
+
+
+def test_a_singleton_sent_20_times_to_2_worker_processes_never_runs_twice_at_once(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any], runs: sql.Composed, broker: PostgresBroker
+) -> None:
+    queue = f"sg_{uuid.uuid4().hex[:10]}"
+    _send(broker, queue, range(20))
+    workers = [_worker(database_url, db_schema, queue, stall=False) for _ in range(2)]
+    try:
+        wait_for(
+            lambda: sum(1 for r in db.execute(runs).fetchall() if r[3] is not None) == 20,
+            timeout_ms=60_000,
+            message="the 20 runs did not all finish",
+        )
+    finally:
+        for process in workers:
+            _stop(process)
+    rows = db.execute(runs).fetchall()
+    assert sorted(r[0] for r in rows) == list(range(20))  # each message ran once: postponed, not dropped
+    for before, after in itertools.pairwise(rows):
+        assert after[2] >= before[3], (
+            f"run {after[0]} started at {after[2]} before run {before[0]} ended at {before[3]}"
+        )
+
+
+def test_a_worker_killed_while_holding_the_key_does_not_keep_it(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any], runs: sql.Composed, broker: PostgresBroker
+) -> None:
+    queue = f"sg_{uuid.uuid4().hex[:10]}"
+    _send(broker, queue, range(1))
+    doomed = _worker(database_url, db_schema, queue, stall=True)
+    try:
+        wait_for(lambda: db.execute(runs).fetchall(), timeout_ms=30_000, message="the first worker never ran the job")
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait(timeout=10)
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+            doomed.wait(timeout=10)
+        if doomed.stdin is not None:
+            doomed.stdin.close()
+    killed_at = time.monotonic()
+    _send(broker, queue, range(1, 2))
+    survivor = _worker(database_url, db_schema, queue, stall=False)
+    try:
+        wait_for(
+            lambda: {r[0] for r in db.execute(runs).fetchall() if r[3] is not None} == {0, 1},
+            timeout_ms=30_000,
+            message="the key stayed held after its holder was killed",
+        )
+        # The next run waited for the dead holder's lease to lapse, not less.
+        assert time.monotonic() - killed_at > (LEASE_MS - 500) / 1000
+    finally:
+        _stop(survivor)
+    leases = db.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(db_schema, "singleton_leases")))
+    assert leases.fetchone() == (0,)
+    first, *later = db.execute(runs).fetchall()
+    assert first[1] == doomed.pid and first[3] is None
+    assert all(r[1] == survivor.pid for r in later)
