@@ -46,7 +46,7 @@ from .idempotency import (
 from .outbox import OutboxBroker, Relay, RelayOptions, WorkerRelay, bind
 from .postgres import PostgresBroker
 from .retries import ClassifiedRetries, build_middleware, no_delays
-from .scheduler import Scheduler, schedule
+from .scheduler import Scheduler, ScheduleRuns, WorkerScheduler, schedule
 from .schema import migrate, migration_sql
 from .tracing import Tracing
 
@@ -81,11 +81,13 @@ __all__ = [
     "RelayOptions",
     "ReliableError",
     "ReplayResult",
+    "ScheduleRuns",
     "Scheduler",
     "SchemaNotReady",
     "Tracing",
     "Unrecoverable",
     "WorkerRelay",
+    "WorkerScheduler",
     "bind",
     "build_middleware",
     "classify",
