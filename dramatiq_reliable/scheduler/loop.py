@@ -15,6 +15,7 @@ import logging
 import random
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import psycopg
@@ -286,8 +287,11 @@ class Scheduler:
         """Ask :meth:`run` to return after the pass in hand; safe from signal handlers."""
         self._stop.set()
 
-    def run(self, *, sync: bool = True) -> None:
-        """Sync (once), then fire due ticks until :meth:`stop`.  Outages are logged and waited out."""
+    def run(self, *, sync: bool = True, on_pass: Callable[[SchedulerPass], None] | None = None) -> None:
+        """Sync (once), then fire due ticks until :meth:`stop`.  Outages are logged and waited out.
+
+        ``on_pass`` is called with each pass's result (the command logs from it).
+        """
         failures = 0
         synced = not sync
         logger.info("scheduler started on schema %r", self.schema)
@@ -298,6 +302,8 @@ class Scheduler:
                     synced = True
                 result = self.tick_once()
                 failures = 0
+                if on_pass is not None:
+                    on_pass(result)
                 if result.claimed >= self.batch_size:
                     continue
                 self._stop.wait(self._sleep_s())
