@@ -50,7 +50,7 @@ from .idempotency import (
 from .outbox import OutboxBroker, Relay, RelayOptions, WorkerRelay, bind
 from .postgres import PostgresBroker
 from .retries import ClassifiedRetries, build_middleware, no_delays
-from .scheduler import Scheduler, schedule
+from .scheduler import Scheduler, ScheduleRuns, WorkerScheduler, schedule
 from .schema import migrate, migration_sql
 from .singleton import Singleton, current_lease
 from .tracing import Tracing
@@ -90,12 +90,14 @@ __all__ = [
     "ReplayResult",
     "ScheduleDisabled",
     "ScheduleNotFound",
+    "ScheduleRuns",
     "Scheduler",
     "SchemaNotReady",
     "Singleton",
     "Tracing",
     "Unrecoverable",
     "WorkerRelay",
+    "WorkerScheduler",
     "bind",
     "build_middleware",
     "checkpoint",

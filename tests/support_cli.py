@@ -134,6 +134,10 @@ def _values(action: argparse.Action) -> st.SearchStrategy[str]:
         edge = st.one_of(st.sampled_from([str(value) for value in limits]), _integers)
     elif kind is queue_name:
         valid, edge = _queue_names, st.sampled_from(["q" * 253, "a b", "", ".XQ"])
+    elif getattr(kind, "__name__", "") == "module_name":
+        # Never a module that exists: importing one could do anything (antigravity opens a browser).
+        valid = st.sampled_from(["dr_no_such_module", "dr_no_such.module", "dr_missing:broker"])
+        edge = st.sampled_from(["1abc", "a..b", "a:b:c", "", "x" * 201])
     elif kind is schema_name:
         valid, edge = _schema_names, st.sampled_from(["pg_x", "x" * 64, ""])
     elif getattr(kind, "__name__", "") == "_cursor":
@@ -202,6 +206,6 @@ def command_lines(draw: st.DrawFn, *, database_url: str | None = None, schema: s
         argv += ["--database-url", database_url or CLOSED_PG]
     if "rabbitmq_url" in known and "rabbitmq_url" not in dests:
         argv += ["--rabbitmq-url", CLOSED_AMQP]
-    if path == ("relay",) and "--once" not in argv:
+    if path in (("relay",), ("scheduler",)) and "--once" not in argv:
         argv.append("--once")
     return argv

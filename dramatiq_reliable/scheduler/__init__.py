@@ -4,17 +4,21 @@ from .admin import ScheduleStatus, list_schedules, pause_schedule, resume_schedu
 from .loop import Scheduler, SchedulerPass, ScheduleTickSkipped, ScheduleTicksMissed, tick_message_id
 from .policies import Plan, plan
 from .registry import Registry, default_registry, schedule
+from .runs import ScheduleRuns
 from .spec import Schedule
+from .worker import WorkerScheduler
 
 __all__ = [
     "Plan",
     "Registry",
     "Schedule",
+    "ScheduleRuns",
     "ScheduleStatus",
     "ScheduleTickSkipped",
     "ScheduleTicksMissed",
     "Scheduler",
     "SchedulerPass",
+    "WorkerScheduler",
     "default_registry",
     "list_schedules",
     "pause_schedule",

@@ -15,9 +15,12 @@ import logging
 import random
 import threading
 import uuid
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 import psycopg
+from dramatiq.broker import Broker
+from dramatiq.common import q_name
 from dramatiq.message import Message
 from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
@@ -29,6 +32,10 @@ from ..errors import ConfigurationError, SchemaNotReady
 from .policies import plan
 from .registry import Registry, default_registry
 from .spec import Schedule
+
+#: Where a tick's message is written: the outbox (a relay publishes it to RabbitMQ) or the
+#: queue table of a PostgresBroker.
+Target = Literal["outbox", "queue"]
 
 __all__ = ["ScheduleTickSkipped", "ScheduleTicksMissed", "Scheduler", "SchedulerPass", "tick_message_id"]
 
@@ -83,6 +90,10 @@ class Scheduler:
       registry: the schedules this process declares (default: those declared with ``schedule()``).
       batch_size: schedules claimed per pass.
       poll_interval_ms: the longest sleep between passes.
+      target: ``"outbox"`` (with ``OutboxBroker``: a relay publishes the message) or
+        ``"queue"`` (with ``PostgresBroker``: the message goes into its queue table).  Either
+        way the message, the tick and the next fire time commit in one transaction.
+        :meth:`from_broker` picks it from the broker.
 
     >>> scheduler = Scheduler(database="postgresql://app@localhost/app")   # doctest: +SKIP
     >>> scheduler.sync(); scheduler.run()                                    # doctest: +SKIP
@@ -96,17 +107,49 @@ class Scheduler:
         registry: Registry | None = None,
         batch_size: int = 500,
         poll_interval_ms: int = 1000,
+        target: Target = "outbox",
     ) -> None:
+        if target not in ("outbox", "queue"):
+            raise ConfigurationError(
+                f"target must be 'outbox' or 'queue', got {target!r}; or build it with Scheduler.from_broker(broker)"
+            )
         for name, value in (("batch_size", batch_size), ("poll_interval_ms", poll_interval_ms)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
         self.database = Database.of(database)
+        # Only a pool made here from a URL is closed by close(); a shared Database is its owner's.
+        self._owns_database = isinstance(database, str)
         self.schema = _sql.validate_schema(schema)
         self.registry = registry if registry is not None else default_registry
         self.batch_size = batch_size
         self.poll_interval_s = poll_interval_ms / 1000
+        self.target: Target = target
         self._stop = threading.Event()
         self._checked = False
+
+    @classmethod
+    def from_broker(cls, broker: Broker, **options: Any) -> Scheduler:
+        """A scheduler on the broker's database and schema, writing where that broker reads.
+
+        ``PostgresBroker``: ticks go into its queue table; ``OutboxBroker``: into the outbox.
+        """
+        from ..outbox.broker import OutboxBroker
+        from ..postgres.broker import PostgresBroker
+
+        for taken in ("database", "schema", "target"):
+            if taken in options:
+                raise ConfigurationError(
+                    f"Scheduler.from_broker takes {taken}= from the broker; drop it, or build Scheduler(...) directly"
+                )
+        # The broker's Database is shared: close() leaves it open.
+        if isinstance(broker, PostgresBroker):
+            return cls(database=broker.database, schema=broker.schema, target="queue", **options)
+        if isinstance(broker, OutboxBroker):
+            return cls(database=broker.database, schema=broker.schema, target="outbox", **options)
+        raise ConfigurationError(
+            f"the scheduler needs an OutboxBroker or a PostgresBroker, got {type(broker).__name__}; "
+            "build Scheduler(database=..., schema=...) to write into the outbox"
+        )
 
     # -- sync ---------------------------------------------------------------------------------
 
@@ -173,6 +216,7 @@ class Scheduler:
                     "queue_names",
                     "actor_names",
                     "bodies",
+                    "priorities",
                 )
             }
             advance: dict[str, list[Any]] = {
@@ -219,13 +263,18 @@ class Scheduler:
                 advance["buffered_fire_ats"].append(decision.buffered_fire_at)
                 advance["last_fire_ats"].append(decision.fire[-1] if decision.fire else None)
             if fire["names"]:
-                conn.execute(_sql.query("schedule_fire", self.schema), fire)
+                if self.target == "queue":
+                    conn.execute(_sql.query("schedule_fire_queue", self.schema), fire)
+                else:
+                    del fire["priorities"]
+                    conn.execute(_sql.query("schedule_fire", self.schema), fire)
             conn.execute(_sql.query("schedule_advance", self.schema), advance)
         return SchedulerPass(len(rows), fired, skipped)
 
     def close(self) -> None:
         """Close the pool this scheduler created from a URL (not a shared one)."""
-        self.database.close()
+        if self._owns_database:
+            self.database.close()
 
     def _check(self, conn: psycopg.Connection[Any]) -> None:
         if not self._checked:
@@ -238,8 +287,11 @@ class Scheduler:
         """Ask :meth:`run` to return after the pass in hand; safe from signal handlers."""
         self._stop.set()
 
-    def run(self, *, sync: bool = True) -> None:
-        """Sync (once), then fire due ticks until :meth:`stop`.  Outages are logged and waited out."""
+    def run(self, *, sync: bool = True, on_pass: Callable[[SchedulerPass], None] | None = None) -> None:
+        """Sync (once), then fire due ticks until :meth:`stop`.  Outages are logged and waited out.
+
+        ``on_pass`` is called with each pass's result (the command logs from it).
+        """
         failures = 0
         synced = not sync
         logger.info("scheduler started on schema %r", self.schema)
@@ -250,6 +302,8 @@ class Scheduler:
                     synced = True
                 result = self.tick_once()
                 failures = 0
+                if on_pass is not None:
+                    on_pass(result)
                 if result.claimed >= self.batch_size:
                     continue
                 self._stop.wait(self._sleep_s())
@@ -296,9 +350,11 @@ def _append(
     fire["message_ids"].append(message_id)
     fire["states"].append(state)
     fire["reasons"].append(reason)
-    fire["queue_names"].append(item.queue_name)
+    fire["queue_names"].append(q_name(item.queue_name))
     fire["actor_names"].append(item.actor_name)
     fire["bodies"].append(body)
+    priority = item.options.get("broker_priority")
+    fire["priorities"].append(priority if isinstance(priority, int) and not isinstance(priority, bool) else 0)
 
 
 def _db_now(conn: psycopg.Connection[Any]) -> dt.datetime:
