@@ -80,6 +80,12 @@ def register(
         description="Send one run of NAME now, through the outbox, recorded as a tick with reason 'manual' in the "
         "same transaction; prints its message id. Works on a paused schedule; refused for one removed from code.",
     )
+    trigger.add_argument(
+        "--to",
+        choices=("outbox", "queue"),
+        default="outbox",
+        help="where the run goes: the outbox (OutboxBroker, default) or the Postgres queues (PostgresBroker)",
+    )
     trigger.set_defaults(handler=_trigger)
     return parser
 
@@ -150,7 +156,7 @@ def _resume(args: argparse.Namespace) -> int:
 def _trigger(args: argparse.Namespace) -> int:
     with open_database(args, max_size=1) as database:
         try:
-            message_id = trigger_schedule(database, args.name, schema=args.schema)
+            message_id = trigger_schedule(database, args.name, schema=args.schema, target=args.to)
         except ScheduleNotFound as error:
             return _not_found(error)
         except ScheduleDisabled as error:

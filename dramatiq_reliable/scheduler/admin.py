@@ -30,7 +30,7 @@ from psycopg.rows import dict_row
 from .. import _sql, schema
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError, ScheduleDisabled, ScheduleNotFound
-from .loop import tick_message_id
+from .loop import Target, tick_message_id
 from .spec import Schedule, explain
 
 __all__ = ["ScheduleStatus", "list_schedules", "pause_schedule", "resume_schedule", "trigger_schedule"]
@@ -150,16 +150,25 @@ def resume_schedule(database: DatabaseLike, name: str, *, schema: str = _sql.DEF
     return list_schedules(database, schema=schema_name, name=name)[0]
 
 
-def trigger_schedule(database: DatabaseLike, name: str, *, schema: str = _sql.DEFAULT_SCHEMA) -> str:
+def trigger_schedule(
+    database: DatabaseLike, name: str, *, schema: str = _sql.DEFAULT_SCHEMA, target: Target = "outbox"
+) -> str:
     """Fire one run of ``name`` now, through the outbox, and return its message id.
 
-    The outbox row and the tick row (reason ``manual``) commit together.  A second trigger in
+    ``target`` is where the message goes, as for :class:`Scheduler`: ``"outbox"`` (an
+    ``OutboxBroker``'s relay publishes it) or ``"queue"`` (a ``PostgresBroker``'s queue table;
+    an outbox row would never run there, as no relay reads it).  The message row and the tick
+    row (reason ``manual``) commit together.  A second trigger in
     the same millisecond returns the first one's message id and writes nothing.  The schedule's
     own ticks are unchanged.  Raises ``ScheduleDisabled`` for a schedule removed from code.
     """
     schema_name = _sql.validate_schema(schema)
+    if target not in ("outbox", "queue"):
+        raise ConfigurationError(f"target must be 'outbox' (OutboxBroker) or 'queue' (PostgresBroker), got {target!r}")
     with _connection(database) as conn, conn.transaction():
         _check(conn, schema_name)
+        if target == "queue":
+            _check_queue(conn, schema_name)
         row = _get(conn, schema_name, name)
         if not row["enabled"]:
             raise ScheduleDisabled(
@@ -189,7 +198,11 @@ def trigger_schedule(database: DatabaseLike, name: str, *, schema: str = _sql.DE
             "actor_names": [item.actor_name],
             "bodies": [message.encode()],
         }
-        written = conn.execute(_sql.query("schedule_fire", schema_name), params).rowcount
+        if target == "queue":
+            priority = item.options.get("broker_priority")
+            params["priorities"] = [priority if isinstance(priority, int) and not isinstance(priority, bool) else 0]
+        statement = "schedule_fire_queue" if target == "queue" else "schedule_fire"
+        written = conn.execute(_sql.query(statement, schema_name), params).rowcount
         if written == 1:
             return message_id
         # The tick of this millisecond exists already (a double click): that run is this one.
@@ -221,6 +234,10 @@ def _connection(database: DatabaseLike) -> Iterator[psycopg.Connection[Any]]:
 
 def _check(conn: psycopg.Connection[Any], schema_name: str) -> None:
     schema.ensure_ready(conn, schema=schema_name, required=schema.SCHEDULER_VERSION, feature="scheduler")
+
+
+def _check_queue(conn: psycopg.Connection[Any], schema_name: str) -> None:
+    schema.ensure_ready(conn, schema=schema_name, required=schema.QUEUE_VERSION, feature="PostgresBroker")
 
 
 def _get(conn: psycopg.Connection[Any], schema_name: str, name: str) -> dict[str, Any]:

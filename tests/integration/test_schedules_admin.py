@@ -178,3 +178,17 @@ def test_a_trigger_in_a_millisecond_that_has_a_tick_returns_that_run_and_writes_
     )
     assert trigger_schedule(database, "nightly", schema=db_schema) == "first-click"
     assert _count(db, db_schema, "outbox") == 0
+
+
+def test_a_trigger_to_the_queue_writes_a_postgres_queue_row_and_no_outbox_row(loop, database, db, db_schema):
+    message_id = trigger_schedule(database, "nightly", schema=db_schema, target="queue")
+    assert _count(db, db_schema, "outbox") == 0
+    assert _count(db, db_schema, "queue", "message_id = %s AND queue_name = %s", (message_id, "q")) == 1
+    (row,) = list_schedules(database, schema=db_schema, name="nightly")
+    assert row.last_reason == "manual" and row.last_message_id == message_id
+
+
+def test_a_trigger_to_an_unknown_target_is_refused_and_writes_nothing(loop, database, db, db_schema):
+    with pytest.raises(ValueError, match="'outbox'.*'queue'"):
+        trigger_schedule(database, "nightly", schema=db_schema, target="rabbitmq")  # type: ignore[arg-type]
+    assert _count(db, db_schema, "schedule_ticks") == 0
