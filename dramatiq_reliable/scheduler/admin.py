@@ -24,13 +24,12 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 import psycopg
-from dramatiq.message import Message
 from psycopg.rows import dict_row
 
 from .. import _sql, schema
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError, ScheduleDisabled, ScheduleNotFound
-from .loop import Target, tick_message_id
+from .loop import Target, add_tick, empty_ticks, tick_message, tick_message_id
 from .spec import Schedule, explain
 
 __all__ = ["ScheduleStatus", "list_schedules", "pause_schedule", "resume_schedule", "trigger_schedule"]
@@ -179,28 +178,11 @@ def trigger_schedule(
         now: dt.datetime = row["now"]
         fire_at = now.astimezone(UTC).replace(microsecond=now.microsecond // 1000 * 1000)
         message_id = tick_message_id(schema_name, item.name, fire_at)
-        message: Message[Any] = Message(
-            queue_name=item.queue_name,
-            actor_name=item.actor_name,
-            args=item.args,
-            kwargs=item.kwargs,
-            options={**item.options, "schedule": item.name, "schedule_fire_at": fire_at.isoformat()},
-            message_id=message_id,
-            message_timestamp=int(fire_at.timestamp() * 1000),
-        )
-        params = {
-            "names": [item.name],
-            "fire_ats": [fire_at],
-            "message_ids": [message_id],
-            "states": ["enqueued"],
-            "reasons": ["manual"],
-            "queue_names": [item.queue_name],
-            "actor_names": [item.actor_name],
-            "bodies": [message.encode()],
-        }
-        if target == "queue":
-            priority = item.options.get("broker_priority")
-            params["priorities"] = [priority if isinstance(priority, int) and not isinstance(priority, bool) else 0]
+        params = empty_ticks()
+        body = tick_message(item, fire_at, message_id, int(fire_at.timestamp() * 1000)).encode()
+        add_tick(params, item, fire_at, message_id, "enqueued", "manual", body)
+        if target == "outbox":
+            del params["priorities"]
         statement = "schedule_fire_queue" if target == "queue" else "schedule_fire"
         written = conn.execute(_sql.query(statement, schema_name), params).rowcount
         if written == 1:

@@ -205,20 +205,7 @@ class Scheduler:
             )
             if not rows:
                 return SchedulerPass(0, 0, 0)
-            fire: dict[str, list[Any]] = {
-                k: []
-                for k in (
-                    "names",
-                    "fire_ats",
-                    "message_ids",
-                    "states",
-                    "reasons",
-                    "queue_names",
-                    "actor_names",
-                    "bodies",
-                    "priorities",
-                )
-            }
+            fire = empty_ticks()
             advance: dict[str, list[Any]] = {
                 k: [] for k in ("names", "next_fire_ats", "buffered_fire_ats", "last_fire_ats")
             }
@@ -235,19 +222,11 @@ class Scheduler:
                 )
                 for fire_at in decision.fire:
                     message_id = tick_message_id(self.schema, item.name, fire_at)
-                    message: Message[Any] = Message(
-                        queue_name=item.queue_name,
-                        actor_name=item.actor_name,
-                        args=item.args,
-                        kwargs=item.kwargs,
-                        options={**item.options, "schedule": item.name, "schedule_fire_at": fire_at.isoformat()},
-                        message_id=message_id,
-                        message_timestamp=stamp_ms,
-                    )
-                    _append(fire, item, fire_at, message_id, "enqueued", None, message.encode())
+                    body = tick_message(item, fire_at, message_id, stamp_ms).encode()
+                    add_tick(fire, item, fire_at, message_id, "enqueued", None, body)
                     fired += 1
                 for fire_at, reason in decision.skipped:
-                    _append(
+                    add_tick(
                         fire, item, fire_at, tick_message_id(self.schema, item.name, fire_at), "skipped", reason, b""
                     )
                     skipped += 1
@@ -336,7 +315,38 @@ class Scheduler:
         return max(0.0, min(self.poll_interval_s, int(row[0]) / 1000))
 
 
-def _append(
+def tick_message(item: Schedule, fire_at: dt.datetime, message_id: str, timestamp_ms: int) -> Message[Any]:
+    """The message of one tick of ``item``: its options name the schedule and the fire time (``ScheduleRuns`` reads them)."""
+    return Message(
+        queue_name=item.queue_name,
+        actor_name=item.actor_name,
+        args=item.args,
+        kwargs=item.kwargs,
+        options={**item.options, "schedule": item.name, "schedule_fire_at": fire_at.isoformat()},
+        message_id=message_id,
+        message_timestamp=timestamp_ms,
+    )
+
+
+def empty_ticks() -> dict[str, list[Any]]:
+    """The parameters of schedule_fire(_queue).sql, one list per column, filled by :func:`add_tick`."""
+    return {
+        k: []
+        for k in (
+            "names",
+            "fire_ats",
+            "message_ids",
+            "states",
+            "reasons",
+            "queue_names",
+            "actor_names",
+            "bodies",
+            "priorities",
+        )
+    }
+
+
+def add_tick(
     fire: dict[str, list[Any]],
     item: Schedule,
     fire_at: dt.datetime,
