@@ -287,11 +287,14 @@ class Relay:
         started = time.perf_counter()
         options = self.options
         with self.database.connection() as conn, conn.transaction():
-            # Our own transaction: bound it server-side.  It idles while RabbitMQ confirms.
-            _sql.set_local_timeouts(
-                conn,
-                statement_timeout_ms=options.statement_timeout_ms,
-                idle_in_transaction_timeout_ms=2 * options.confirm_timeout_ms + options.statement_timeout_ms,
+            # Our own transaction: bound it server-side (it idles while RabbitMQ confirms) and
+            # keep the claim on its index whatever the statistics say.
+            conn.execute(
+                _sql.query("outbox_relay_local", self.schema),
+                {
+                    "statement_timeout": str(options.statement_timeout_ms),
+                    "idle_timeout": str(2 * options.confirm_timeout_ms + options.statement_timeout_ms),
+                },
             )
             if not self._checked_schema:
                 schema.ensure_ready(conn, schema=self.schema, required=schema.OUTBOX_VERSION, feature="outbox")
