@@ -1,20 +1,31 @@
 """Relay benchmark: our relay against raw pika and a naive relay, measured side by side in one run.
 
-    python benchmarks/relay.py [--rows 50000] [--naive-rows 5000] [--latency-seconds 10] [--sends 5000]
+    python benchmarks/relay.py [--rows 20000] [--rounds 3] [--retained 1000000] [--scaling-rows 20000]
+                               [--naive-rows 5000] [--latency-seconds 5] [--sends 5000]
 
-Measures, on the same servers and in this order:
-  1. raw pika publishing with pipelined confirms (the physical baseline, no database);
-  2. a naive relay: claim rows, publish each with a blocking confirm, mark them;
-  3. our relay draining a backlog of ``--rows`` outbox rows;
-  4. commit-to-confirmed latency p50/p99 at a steady 500 messages/s with NOTIFY wake-up;
-  5. ``send()`` inside an open transaction vs Dramatiq's own ``send()`` with confirm_delivery=True.
+Measures, on the same servers:
+  1. throughput, in ``--rounds`` interleaved rounds (medians reported): raw pika publishing
+     with pipelined confirms through ``basic_publish`` (the baseline, no database); raw pika
+     writing many messages' frames per socket write (the publish limit of pika itself, for
+     reference); our relay draining a backlog of ``--rows`` outbox rows;
+  2. the same drain beside ``--retained`` published rows kept in the table, interleaved with a
+     drain of an outbox that keeps none (``retained_ratio``);
+  3. 1, 2 and 4 relays (one process each) draining ``--scaling-rows`` rows of one queue, and of
+     four queues;
+  4. a naive relay: claim rows, publish each with a blocking confirm, mark them;
+  5. commit-to-confirmed latency p50/p99 at a steady 500 messages/s with NOTIFY wake-up;
+  6. ``send()`` inside an open transaction vs Dramatiq's own ``send()`` with confirm_delivery=True.
+Backlogs are built with one ``INSERT ... SELECT generate_series`` each (bodies the size and
+shape ``send()`` writes, one message id each).  Everything created is dropped at the end.
 The last line printed is one JSON object with the figures and ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import os
 import statistics
 import threading
@@ -27,6 +38,7 @@ import pika
 import psycopg
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.common import dq_name, xq_name
+from pika import frame, spec
 from psycopg import sql
 
 from dramatiq_reliable import OutboxBroker, Relay, migrate
@@ -45,6 +57,35 @@ def fill_outbox(broker: OutboxBroker, actor: Any, rows: int) -> None:
         with broker.transaction():
             for i in range(start, min(rows, start + 5000)):
                 actor.send(i)
+
+
+def fast_fill(schema: str, template: bytes, queues: list[str], rows: int, *, published: bool = False) -> None:
+    """Insert ``rows`` rows in one statement: ``template`` with a fresh message id in each.
+
+    Rows go round-robin to ``queues``; ``published`` rows are marked published an hour ago
+    (retained rows, as ``on_published="mark"`` leaves them).
+    """
+    message_id = json.loads(template)["message_id"]
+    query = sql.SQL(
+        "INSERT INTO {}.outbox (message_id, queue_name, actor_name, body, published_at) "
+        "SELECT g.mid, (%(queues)s::text[])[1 + g.n %% %(count)s], 'bench_actor', "
+        "convert_to(replace(%(template)s, %(old)s, g.mid), 'UTF8'), "
+        "CASE WHEN %(published)s THEN now() - interval '1 hour' END "
+        "FROM (SELECT n, gen_random_uuid()::text AS mid FROM generate_series(1, %(rows)s) AS n) AS g"
+    ).format(sql.Identifier(schema))
+    with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+        conn.execute(
+            query,
+            {
+                "queues": queues,
+                "count": len(queues),
+                "template": template.decode(),
+                "old": message_id,
+                "published": published,
+                "rows": rows,
+            },
+        )
+        conn.execute(sql.SQL("ANALYZE {}.outbox").format(sql.Identifier(schema)))
 
 
 def raw_pika(queue: str, bodies: list[bytes], window: int) -> float:
@@ -70,6 +111,50 @@ def raw_pika(queue: str, bodies: list[bytes], window: int) -> float:
             tag += 1
             outstanding.add(tag)
             impl.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2), mandatory=True)
+        connection._flush_output(lambda: not outstanding)
+    elapsed = time.perf_counter() - started
+    channel.queue_delete(queue)
+    connection.close()
+    return len(bodies) / elapsed
+
+
+def raw_frames(queue: str, bodies: list[bytes], window: int, *, per_write: int = 128) -> float:
+    """As :func:`raw_pika`, but ``per_write`` messages' frames go out in one socket write.
+
+    ``basic_publish`` writes each of a message's three frames on its own; this is the rate pika
+    can reach on these servers when that cost is taken away (our relay writes this way).
+    """
+    connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+    channel = connection.channel()
+    channel.queue_declare(queue, durable=True)
+    impl = channel._impl
+    outstanding: set[int] = set()
+    selected: list[bool] = []
+
+    def on_confirm(frame_: Any) -> None:
+        tag, multiple = frame_.method.delivery_tag, frame_.method.multiple
+        for t in [t for t in outstanding if t <= tag] if multiple else [tag]:
+            outstanding.discard(t)
+
+    impl.confirm_delivery(on_confirm, callback=lambda _f: selected.append(True))
+    connection._flush_output(lambda: bool(selected))
+    number = impl.channel_number
+    method = frame.Method(number, spec.Basic.Publish(exchange="", routing_key=queue, mandatory=True)).marshal()
+    started = time.perf_counter()
+    tag = 0
+    for offset in range(0, len(bodies), window):
+        parts: list[bytes] = []
+        for index, body in enumerate(bodies[offset : offset + window], 1):
+            tag += 1
+            outstanding.add(tag)
+            properties = spec.BasicProperties(delivery_mode=2, message_id=str(tag))
+            parts += (method, frame.Header(number, len(body), properties).marshal(), frame.Body(number, body).marshal())
+            if index % per_write == 0:
+                impl.connection._output_marshaled_frames([b"".join(parts)])
+                parts = []
+                connection.process_data_events(0)
+        if parts:
+            impl.connection._output_marshaled_frames([b"".join(parts)])
         connection._flush_output(lambda: not outstanding)
     elapsed = time.perf_counter() - started
     channel.queue_delete(queue)
@@ -175,63 +260,199 @@ def send_costs(broker: OutboxBroker, queue: str, sends: int) -> tuple[float, flo
     return outbox_us, direct_us
 
 
+def drain_rate(broker: OutboxBroker, queues: list[str], batch_size: int) -> float:
+    """Our relay drains the schema's backlog; return rows/s (connecting and declaring not timed)."""
+    relay = Relay.from_broker(broker, batch_size=batch_size)
+    try:
+        ready(relay, queues)
+        started = time.perf_counter()
+        published = relay.drain()
+        return published / (time.perf_counter() - started)
+    finally:
+        relay.publisher.close()
+
+
+def ready(relay: Relay, queues: list[str]) -> None:
+    """Connect ``relay`` to both servers and declare ``queues``, so the timing counts draining only."""
+    for queue in queues:
+        relay.publisher._declarer.declare_queue(queue, ensure=True)
+    relay.publisher._open_channel()
+    with relay.database.connection() as conn:
+        conn.execute("SELECT 1")
+
+
+def _scaling_relay(schema: str, batch_size: int, queues: list[str], started_: Any, go: Any, results: Any) -> None:
+    """One relay process of the scaling figure: connect and declare, wait for the start, drain."""
+    broker = OutboxBroker(url=RABBITMQ_URL, database=DATABASE_URL, schema=schema)
+    relay = Relay.from_broker(broker, batch_size=batch_size)
+    try:
+        ready(relay, queues)
+        started_.release()
+        go.wait()
+        started = time.perf_counter()
+        published = relay.drain()
+        results.put((published, started, time.perf_counter()))
+    finally:
+        relay.publisher.close()
+        broker.close()
+
+
+def scaling(schema: str, template: bytes, queues: list[str], rows: int, relays: int, batch_size: int) -> float:
+    """``relays`` relay processes drain ``rows`` rows spread over ``queues``; return rows/s overall."""
+    fast_fill(schema, template, queues, rows)
+    context = multiprocessing.get_context("spawn")
+    started, go, results = context.Semaphore(0), context.Event(), context.Queue()
+    processes = [
+        context.Process(target=_scaling_relay, args=(schema, batch_size, queues, started, go, results))
+        for _ in range(relays)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        for _ in processes:
+            if not started.acquire(timeout=60):
+                raise RuntimeError("a relay process did not start within 60 s")
+        go.set()
+        outcomes = [results.get(timeout=300) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+    published = sum(o[0] for o in outcomes)
+    if published != rows:
+        raise RuntimeError(f"{relays} relays published {published} of {rows} rows")
+    return float(published / (max(o[2] for o in outcomes) - min(o[1] for o in outcomes)))
+
+
+def new_schema(prefix: str) -> str:
+    schema = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    migrate(DATABASE_URL, schema=schema)
+    return schema
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=50_000)
+    parser.add_argument("--rows", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--retained", type=int, default=1_000_000, help="0 skips the retained-rows figure")
+    parser.add_argument("--scaling-rows", type=int, default=20_000, help="0 skips the scaling figure")
     parser.add_argument("--naive-rows", type=int, default=5_000)
     parser.add_argument("--batch-size", type=int, default=500)
-    parser.add_argument("--latency-seconds", type=float, default=10.0)
+    parser.add_argument("--latency-seconds", type=float, default=5.0)
     parser.add_argument("--rate", type=int, default=500)
     parser.add_argument("--sends", type=int, default=5_000)
+    parser.add_argument("--prefix", default="perfrelay", help="schema and queue name prefix")
     args = parser.parse_args()
 
-    schema = f"bench_{uuid.uuid4().hex[:8]}"
-    queue = f"bench_{uuid.uuid4().hex[:8]}"
-    migrate(DATABASE_URL, schema=schema)
-    broker = OutboxBroker(url=RABBITMQ_URL, database=DATABASE_URL, schema=schema)
-    actor = dramatiq.actor(lambda n: None, actor_name="bench_actor", queue_name=queue, broker=broker)
+    tag = uuid.uuid4().hex[:8]
+    queue = f"{args.prefix}_{tag}"
+    scaling_queues = [f"{args.prefix}_{tag}_s{i}" for i in range(4)]
+    schemas: list[str] = []
     admin = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL)).channel()
+    brokers: list[OutboxBroker] = []
+
+    def outbox(prefix: str) -> OutboxBroker:
+        schemas.append(new_schema(prefix))
+        made = OutboxBroker(url=RABBITMQ_URL, database=DATABASE_URL, schema=schemas[-1])
+        brokers.append(made)
+        return made
+
     results: dict[str, Any] = {}
     try:
-        # Bodies of the same size our relay publishes, for a like-for-like baseline.
+        broker = outbox(f"{args.prefix}_b")
+        schema = schemas[-1]
+        actor = dramatiq.actor(lambda n: None, actor_name="bench_actor", queue_name=queue, broker=broker)
+        # Bodies of the same size and shape our relay publishes, for a like-for-like baseline.
         sample = actor.message(0).encode()
-        log(f"1. raw pika, pipelined confirms, {args.rows} messages of {len(sample)} bytes")
-        baseline = raw_pika(f"{queue}_raw", [sample] * args.rows, args.batch_size)
-        log(f"   {baseline:,.0f} msg/s")
 
-        log(f"2. naive relay, one blocking confirm per row, {args.naive_rows} rows")
+        log(f"1. throughput, {args.rounds} interleaved rounds of {args.rows} messages of {len(sample)} bytes")
+        raw_rates: list[float] = []
+        frame_rates: list[float] = []
+        our_rates: list[float] = []
+        for round_ in range(args.rounds):
+            raw_rates.append(raw_pika(f"{queue}_raw", [sample] * args.rows, args.batch_size))
+            frame_rates.append(raw_frames(f"{queue}_raw", [sample] * args.rows, args.batch_size))
+            fast_fill(schema, sample, [queue], args.rows)
+            our_rates.append(drain_rate(broker, [queue], args.batch_size))
+            admin.queue_purge(queue)
+            log(
+                f"   round {round_ + 1}: raw pika {raw_rates[-1]:,.0f}, raw frames {frame_rates[-1]:,.0f}, "
+                f"our relay {our_rates[-1]:,.0f} msg/s"
+            )
+        baseline = statistics.median(raw_rates)
+        frames_baseline = statistics.median(frame_rates)
+        ours = statistics.median(our_rates)
+        ratios = [o / b for o, b in zip(our_rates, raw_rates, strict=True)]
+        results |= {
+            "relay_rows_per_s": round(ours),
+            "baseline_rows_per_s": round(baseline),
+            "ratio_to_baseline": round(statistics.median(ratios), 3),
+            "ratio_to_baseline_rounds": [round(r, 3) for r in ratios],
+            "frames_baseline_rows_per_s": round(frames_baseline),
+            "ratio_to_frames_baseline": round(
+                statistics.median(o / b for o, b in zip(our_rates, frame_rates, strict=True)), 3
+            ),
+        }
+        log(f"   medians: raw pika {baseline:,.0f}, raw frames {frames_baseline:,.0f}, ours {ours:,.0f} msg/s")
+
+        if args.retained:
+            log(f"2. the same drain beside {args.retained:,} retained published rows, {args.rounds} rounds")
+            kept = outbox(f"{args.prefix}_k")
+            started = time.perf_counter()
+            fast_fill(schemas[-1], sample, [queue], args.retained, published=True)
+            log(f"   built {args.retained:,} published rows in {time.perf_counter() - started:.1f} s")
+            empty_rates: list[float] = []
+            kept_rates: list[float] = []
+            for round_ in range(args.rounds):
+                fast_fill(schema, sample, [queue], args.rows)
+                empty_rates.append(drain_rate(broker, [queue], args.batch_size))
+                fast_fill(schemas[-1], sample, [queue], args.rows)
+                kept_rates.append(drain_rate(kept, [queue], args.batch_size))
+                admin.queue_purge(queue)
+                log(
+                    f"   round {round_ + 1}: none retained {empty_rates[-1]:,.0f}, retained {kept_rates[-1]:,.0f} msg/s"
+                )
+            results |= {
+                "retained_rows": args.retained,
+                "retained_rows_per_s": round(statistics.median(kept_rates)),
+                "retained_ratio": round(
+                    statistics.median(k / e for k, e in zip(kept_rates, empty_rates, strict=True)), 3
+                ),
+            }
+
+        if args.scaling_rows:
+            log(f"3. 1, 2 and 4 relay processes draining {args.scaling_rows} rows")
+            for label, queues in (("one_queue", scaling_queues[:1]), ("four_queues", scaling_queues)):
+                rates = [
+                    scaling(schema, sample, queues, args.scaling_rows, relays, args.batch_size) for relays in (1, 2, 4)
+                ]
+                for name in queues:
+                    admin.queue_purge(name)
+                log(
+                    f"   {label}: "
+                    + ", ".join(f"{n} relays {r:,.0f} msg/s" for n, r in zip((1, 2, 4), rates, strict=True))
+                )
+                results[f"scaling_{label}"] = [round(r) for r in rates]
+                results[f"scaling_{label}_ratio"] = [round(r / rates[0], 2) for r in rates]
+
+        log(f"4. naive relay, one blocking confirm per row, {args.naive_rows} rows")
         fill_outbox(broker, actor, args.naive_rows)
-        declarer = RabbitmqBroker(url=RABBITMQ_URL, middleware=[])
-        declarer.declare_queue(queue, ensure=True)  # as our relay does, so both publish to the same queues
-        declarer.close()
         naive = naive_relay(DATABASE_URL, schema, args.naive_rows, args.batch_size)
         log(f"   {naive:,.0f} rows/s")
         admin.queue_purge(queue)
 
-        log(f"3. our relay draining a backlog of {args.rows} rows")
-        fill_outbox(broker, actor, args.rows)
-        relay = Relay.from_broker(broker, batch_size=args.batch_size)
-        started = time.perf_counter()
-        published = relay.drain()
-        ours = published / (time.perf_counter() - started)
-        relay.publisher.close()
-        log(f"   {ours:,.0f} rows/s ({published} rows)")
-        admin.queue_purge(queue)
-
-        log(f"4. latency at {args.rate} msg/s for {args.latency_seconds}s, NOTIFY wake-up")
+        log(f"5. latency at {args.rate} msg/s for {args.latency_seconds}s, NOTIFY wake-up")
         p50, p99, lost = latency(broker, actor, queue, args.latency_seconds, args.rate)
         log(f"   p50 {p50:.2f} ms, p99 {p99:.2f} ms, undelivered {lost}")
         admin.queue_purge(queue)
 
-        log(f"5. send() cost, {args.sends} sends")
+        log(f"6. send() cost, {args.sends} sends")
         outbox_us, direct_us = send_costs(broker, queue, args.sends)
         log(f"   outbox send in a transaction {outbox_us:.0f} us, Dramatiq confirmed send {direct_us:.0f} us")
 
-        results = {
-            "relay_rows_per_s": round(ours),
-            "baseline_rows_per_s": round(baseline),
+        results |= {
             "naive_rows_per_s": round(naive),
-            "ratio_to_baseline": round(ours / baseline, 3),
             "ratio_to_naive": round(ours / naive, 2),
             "latency_p50_ms": round(p50, 2),
             "latency_p99_ms": round(p99, 2),
@@ -241,14 +462,19 @@ def main() -> None:
             "send_speedup_vs_confirmed_send": round(direct_us / outbox_us, 2),
             "batch_size": args.batch_size,
             "rows": args.rows,
+            "rounds": args.rounds,
         }
     finally:
-        broker.close()
-        for name in (queue, dq_name(queue), xq_name(queue), f"{queue}_raw"):
-            admin.queue_delete(name)
+        for made in brokers:
+            made.close()
+        for name in (queue, dq_name(queue), xq_name(queue), f"{queue}_raw", *scaling_queues):
+            for each in {name, dq_name(name), xq_name(name)}:
+                with contextlib.suppress(pika.exceptions.AMQPError):
+                    admin.queue_delete(each)
         admin.connection.close()
         with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+            for made_schema in schemas:
+                conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(made_schema)))
     print(json.dumps(results))
 
 
