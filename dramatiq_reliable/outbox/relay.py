@@ -18,11 +18,13 @@ Run it as a process (``dramatiq-reliable relay``) or inside every worker process
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar, Literal
 
 import psycopg
@@ -37,7 +39,7 @@ from .._util import redact
 from ..database import Database, DatabaseLike
 from ..errors import BrokerUnavailable, ConfigurationError, SchemaNotReady
 from .broker import OutboxBroker
-from .publisher import Publication, Publisher
+from .publisher import Publication, Publisher, PublishOutcome
 
 __all__ = [
     "OutboxBatchPublished",
@@ -284,9 +286,25 @@ class Relay:
         confirmed before the connection went, if any; no attempt is counted against the rest),
         and psycopg errors when Postgres cannot.
         """
+        batch = self._claim()
+        return RelayPass(0, 0) if batch is None else self._pass(batch)
+
+    def _pass(self, batch: _Batch) -> RelayPass:
+        """Publish ``batch``, record the outcome, commit and report, all on this thread."""
+        outcome = self._publish(batch)
+        batch.finish(self, outcome)
+        self._report(batch, outcome)
+        if outcome.unavailable is not None:
+            raise outcome.unavailable
+        return batch.result(outcome)
+
+    def _claim(self) -> _Batch | None:
+        """Lock the next rows in a transaction left open on a pooled connection (``None``: no rows)."""
         started = time.perf_counter()
         options = self.options
-        with self.database.connection() as conn, conn.transaction():
+        with contextlib.ExitStack() as stack:
+            conn = stack.enter_context(self.database.connection())
+            stack.enter_context(conn.transaction())
             # Our own transaction: bound it server-side (it idles while RabbitMQ confirms) and
             # keep the claim on its index whatever the statistics say.
             conn.execute(
@@ -308,36 +326,39 @@ class Relay:
                 .fetchall()
             )
             if not claimed:
-                return RelayPass(0, 0)
+                return None
             rows = _within_bytes(claimed, options.max_batch_bytes)
             publications = [
                 Publication(key=row[0], routing_key=row[2], body=bytes(row[3]), message_id=row[1], priority=row[4])
                 for row in rows
             ]
-            publish_started_ns = time.time_ns()
-            # Raises BrokerUnavailable when nothing was confirmed: the transaction rolls back
-            # and no row is touched.
-            outcome = self.publisher.publish(publications)
-            publish_ended_ns = time.time_ns()
-            if outcome.confirmed:
-                done = "outbox_delete_published" if self.on_published == "delete" else "outbox_mark_published"
-                conn.execute(_sql.query(done, self.schema), {"ids": outcome.confirmed})
-            if outcome.failed:
-                self._record_failures(conn, rows, outcome.failed, outcome.timed_out)
+            return _Batch(stack.pop_all(), conn, len(claimed), rows, publications, started)
+        raise AssertionError("unreachable")  # pragma: no cover - the block returns
+
+    def _publish(self, batch: _Batch) -> PublishOutcome:
+        """Publish ``batch``; on any error its transaction rolls back (no row is touched) and it propagates."""
+        batch.publish_started_ns = time.time_ns()
+        try:
+            return self.publisher.publish(batch.publications)
+        except BaseException as error:
+            batch.abort(error)
+            raise
+        finally:
+            batch.publish_ended_ns = time.time_ns()
+
+    def _report(self, batch: _Batch, outcome: PublishOutcome) -> None:
+        """Tell listeners what a committed pass did."""
         if outcome.confirmed:
-            events.emit(OutboxPublished(len(outcome.confirmed), self.schema, (time.perf_counter() - started) * 1000))
+            duration_ms = (batch.committed_at - batch.started) * 1000
+            events.emit(OutboxPublished(len(outcome.confirmed), self.schema, duration_ms))
         if events.has_listeners():
             confirmed = set(outcome.confirmed)
             relayed = tuple(
                 RelayedMessage(p.message_id, p.routing_key, p.body, outcome.failed.get(p.key))
-                for p in publications
+                for p in batch.publications
                 if p.key in confirmed or p.key in outcome.failed
             )
-            events.emit(OutboxBatchPublished(self.schema, publish_started_ns, publish_ended_ns, relayed))
-        if outcome.unavailable is not None:
-            raise outcome.unavailable
-        # Rows left out by max_batch_bytes count as claimed: drain() goes on to the next pass.
-        return RelayPass(len(outcome.confirmed), len(outcome.failed), len(claimed) - len(rows))
+            events.emit(OutboxBatchPublished(self.schema, batch.publish_started_ns, batch.publish_ended_ns, relayed))
 
     def _record_failures(
         self, conn: psycopg.Connection[Any], rows: list[Any], failed: dict[int, str], timed_out: set[int]
@@ -384,14 +405,78 @@ class Relay:
                 )
 
     def drain(self) -> int:
-        """Run passes until the backlog is empty (or the relay is stopped); return rows published."""
+        """Run passes until the backlog is empty (or the relay is stopped); return rows published.
+
+        Under a backlog (a full batch) a helper thread claims the next batch while RabbitMQ
+        confirms the one in hand, and records that one's outcome while the next is published,
+        so Postgres round trips overlap the publishing instead of adding to it.  Each batch
+        keeps its own transaction: a row is marked only after its confirm, as in
+        :meth:`drain_once`.  The pass that finds the backlog empty runs on the calling thread
+        alone, with no helper thread started.
+        """
+        if self._stop.is_set():
+            return 0
+        batch = self._claim()
+        if batch is None:
+            return 0
+        if not self._more_after(batch):
+            return self._pass(batch).published
+        return self._drain_overlapped(batch)
+
+    def _more_after(self, batch: _Batch) -> bool:
+        return batch.claimed >= self.batch_size and not self._stop.is_set()
+
+    def _drain_overlapped(self, first: _Batch) -> int:
+        """:meth:`drain` under a backlog: Postgres work on a helper thread, publishing on this one.
+
+        The helper runs one task at a time, in order: the claim of batch N+1 (started before
+        batch N is published), then batch N's marks and commit (after N's confirms), then the
+        claim of N+2, and so on.  At most two batches hold a connection at once.
+        """
         total = 0
-        while not self._stop.is_set():
-            result = self.drain_once()
-            total += result.published
-            if result.claimed < self.batch_size:
-                break
+        batch: _Batch | None = first
+        ahead: Future[_Batch | None] | None = None
+        finishing: tuple[Future[None], _Batch, PublishOutcome] | None = None
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dramatiq-reliable-relay-db") as helper:
+            try:
+                while batch is not None:
+                    more = self._more_after(batch)
+                    # Rows a batch left for later (max_batch_bytes) stay locked until it commits: claim
+                    # after that commit, so they go out next, as without the helper.
+                    overlap = more and len(batch.rows) == batch.claimed
+                    ahead = helper.submit(self._claim) if overlap else None
+                    outcome = self._publish(batch)
+                    done = helper.submit(batch.finish, self, outcome)
+                    if more and not overlap:
+                        ahead = helper.submit(self._claim)
+                    previous, finishing = finishing, (done, batch, outcome)
+                    if previous is not None:
+                        total += self._settle(*previous)
+                    if outcome.unavailable is not None:
+                        raise outcome.unavailable
+                    batch = ahead.result() if ahead is not None else None
+                    ahead = None
+                if finishing is not None:
+                    total += self._settle(*finishing)
+                    finishing = None
+            except BaseException:
+                # Whatever failed, batches claimed ahead roll back (untouched, claimed again later)
+                # and a batch whose commit is under way is waited for and reported.
+                if ahead is not None:
+                    helper.submit(_abandon, ahead).result()
+                if finishing is not None:
+                    try:
+                        self._settle(*finishing)
+                    except Exception:
+                        logger.warning("outbox relay could not record a batch's outcome", exc_info=True)
+                raise
         return total
+
+    def _settle(self, done: Future[None], batch: _Batch, outcome: PublishOutcome) -> int:
+        """Wait for ``batch``'s commit, report it, and return the rows it published."""
+        done.result()
+        self._report(batch, outcome)
+        return len(outcome.confirmed)
 
     def purge(self, *, older_than_ms: int | None = None, batch_size: int = 5000) -> int:
         """Delete published rows older than ``older_than_ms`` (default: ``retention_ms``)."""
@@ -505,6 +590,66 @@ class Relay:
             # Short slices keep stop() responsive; a notify ends the wait at once.
             for _ in self._listener.notifies(timeout=min(remaining, _WAIT_SLICE_S), stop_after=1):
                 return
+
+
+class _Batch:
+    """Claimed rows, locked by a transaction left open on a pooled connection until finished.
+
+    ``finish`` records the outcome and commits; ``abort`` rolls back.  Either may run on
+    another thread than the claim, never at the same time as any other use of the batch.
+    """
+
+    def __init__(
+        self,
+        stack: contextlib.ExitStack,
+        conn: psycopg.Connection[Any],
+        claimed: int,
+        rows: list[Any],
+        publications: list[Publication],
+        started: float,
+    ) -> None:
+        self._stack = stack
+        self.conn = conn
+        #: Rows locked, those left for later by ``max_batch_bytes`` included.
+        self.claimed = claimed
+        self.rows = rows
+        self.publications = publications
+        self.started = started
+        self.committed_at = started
+        self.publish_started_ns = 0
+        self.publish_ended_ns = 0
+
+    def finish(self, relay: Relay, outcome: PublishOutcome) -> None:
+        """Mark (or delete) the confirmed rows, charge the failed ones, commit."""
+        try:
+            if outcome.confirmed:
+                done = "outbox_delete_published" if relay.on_published == "delete" else "outbox_mark_published"
+                self.conn.execute(_sql.query(done, relay.schema), {"ids": outcome.confirmed})
+            if outcome.failed:
+                relay._record_failures(self.conn, self.rows, outcome.failed, outcome.timed_out)
+        except BaseException as error:
+            self.abort(error)
+            raise
+        self._stack.close()
+        self.committed_at = time.perf_counter()
+
+    def abort(self, error: BaseException) -> None:
+        """Roll back: every claimed row is left as it was."""
+        self._stack.__exit__(type(error), error, error.__traceback__)
+
+    def result(self, outcome: PublishOutcome) -> RelayPass:
+        # Rows left out by max_batch_bytes count as claimed: drain() goes on to the next pass.
+        return RelayPass(len(outcome.confirmed), len(outcome.failed), self.claimed - len(self.rows))
+
+
+def _abandon(claim: Future[_Batch | None]) -> None:
+    """Roll back a batch claimed ahead and never published (a claim that failed is ignored)."""
+    try:
+        batch = claim.result()
+    except Exception:
+        return
+    if batch is not None:
+        batch.abort(psycopg.Rollback())
 
 
 def _within_bytes(rows: list[Any], max_bytes: int) -> list[Any]:
