@@ -9,7 +9,8 @@ Measures, on the same servers:
      writing many messages' frames per socket write (the publish limit of pika itself, for
      reference); our relay draining a backlog of ``--rows`` outbox rows;
   2. the same drain beside ``--retained`` published rows kept in the table, interleaved with a
-     drain of an outbox that keeps none (``retained_ratio``);
+     drain of an outbox that keeps none (``retained_ratio``), and the Postgres side of it alone
+     (the relay's statements with no publish between, ``retained_db_ratio``);
   3. 1, 2 and 4 relays (one process each) draining ``--scaling-rows`` rows of one queue, and of
      four queues;
   4. a naive relay: claim rows, publish each with a blocking confirm, mark them;
@@ -41,7 +42,7 @@ from dramatiq.common import dq_name, xq_name
 from pika import frame, spec
 from psycopg import sql
 
-from dramatiq_reliable import OutboxBroker, Relay, migrate
+from dramatiq_reliable import OutboxBroker, Relay, _sql, migrate
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -275,6 +276,30 @@ def drain_rate(broker: OutboxBroker, queues: list[str], batch_size: int) -> floa
         relay.publisher.close()
 
 
+def db_batch_ms(schema: str, batch_size: int) -> float:
+    """Drain the backlog with the relay's own statements and no RabbitMQ; return ms per batch.
+
+    The Postgres side of a pass (settings, claim, marks, commit) without the publish between,
+    so retained rows' cost shows without RabbitMQ's noise.
+    """
+    batches = 0
+    with psycopg.connect(DATABASE_URL) as conn:
+        started = time.perf_counter()
+        while True:
+            with conn.transaction():
+                conn.execute(
+                    _sql.query("outbox_relay_local", schema), {"statement_timeout": "30000", "idle_timeout": "90000"}
+                )
+                rows = conn.execute(
+                    _sql.query("outbox_claim", schema), {"batch_size": batch_size, "max_attempts": 25}
+                ).fetchall()
+                if not rows:
+                    break
+                conn.execute(_sql.query("outbox_mark_published", schema), {"ids": [row[0] for row in rows]})
+            batches += 1
+        return (time.perf_counter() - started) / max(batches, 1) * 1000
+
+
 def ready(relay: Relay, queues: list[str]) -> None:
     """Connect ``relay`` to both servers and declare ``queues``, so the timing counts draining only."""
     for queue in queues:
@@ -407,21 +432,33 @@ def main() -> None:
             log(f"   built {args.retained:,} published rows in {time.perf_counter() - started:.1f} s")
             empty_rates: list[float] = []
             kept_rates: list[float] = []
+            empty_ms: list[float] = []
+            kept_ms: list[float] = []
             for round_ in range(args.rounds):
                 fast_fill(schema, sample, [queue], args.rows)
                 empty_rates.append(drain_rate(broker, [queue], args.batch_size))
                 fast_fill(schemas[-1], sample, [queue], args.rows)
                 kept_rates.append(drain_rate(kept, [queue], args.batch_size))
                 admin.queue_purge(queue)
+                fast_fill(schema, sample, [queue], args.rows)
+                empty_ms.append(db_batch_ms(schema, args.batch_size))
+                fast_fill(schemas[-1], sample, [queue], args.rows)
+                kept_ms.append(db_batch_ms(schemas[-1], args.batch_size))
                 log(
-                    f"   round {round_ + 1}: none retained {empty_rates[-1]:,.0f}, retained {kept_rates[-1]:,.0f} msg/s"
+                    f"   round {round_ + 1}: none retained {empty_rates[-1]:,.0f}, retained {kept_rates[-1]:,.0f} msg/s; "
+                    f"Postgres only {empty_ms[-1]:.1f} vs {kept_ms[-1]:.1f} ms a batch"
                 )
             results |= {
                 "retained_rows": args.retained,
                 "retained_rows_per_s": round(statistics.median(kept_rates)),
+                "retained_none_rows_per_s": round(statistics.median(empty_rates)),
                 "retained_ratio": round(
                     statistics.median(k / e for k, e in zip(kept_rates, empty_rates, strict=True)), 3
                 ),
+                # Time per batch, so the ratio is none over retained (>= 0.9 means flat), like the others.
+                "retained_db_batch_ms": round(statistics.median(kept_ms), 2),
+                "retained_none_db_batch_ms": round(statistics.median(empty_ms), 2),
+                "retained_db_ratio": round(statistics.median(e / k for e, k in zip(empty_ms, kept_ms, strict=True)), 3),
             }
 
         if args.scaling_rows:
