@@ -1,7 +1,7 @@
 """End-to-end benchmark: a job from the producer's commit to the effect row, ours against plain Dramatiq and the peers.
 
     pip install -e '.[bench]'
-    python benchmarks/end_to_end.py [--jobs 2000] [--rounds 1] [--rate 200] [--latency-seconds 5]
+    python benchmarks/end_to_end.py [--jobs 1000] [--rounds 1] [--rate 200] [--latency-seconds 5]
                                     [--relay worker|process] [--systems ours,plain,...]
 
 Systems, each measured with the same one-INSERT actor and its worker in a process of its own
@@ -352,9 +352,9 @@ def prepare(system: str, schema: str) -> None:
         conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
         for table in ("orders", "effects"):
             conn.execute(
-                sql.SQL("CREATE TABLE {} (phase smallint NOT NULL, n int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())").format(
-                    sql.Identifier(schema, table)
-                )
+                sql.SQL(
+                    "CREATE TABLE {} (phase smallint NOT NULL, n int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())"
+                ).format(sql.Identifier(schema, table))
             )
         if system == "dramatiq_postgres":
             import dramatiq_postgres
@@ -400,6 +400,11 @@ def cleanup(system: str, schema: str) -> None:
 
 def _child_streams() -> IO[str]:
     """Send everything the child prints to stderr; return a stream on the real stdout for READY."""
+    import signal
+
+    # Ctrl-C reaches the whole process group: the parent alone handles it, stopping its
+    # children in order (and killing them past a timeout), then dropping what it created.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ready = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -496,7 +501,8 @@ class Child:
 
     def __init__(self, role: str, system: str, schema: str, relay: str) -> None:
         self.name = f"{role} of {system}"
-        self.stderr = tempfile.TemporaryFile(mode="w+")
+        # Kept open for the child's life (stop() closes it): read back when the child fails.
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
         self.process = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--child", role, system, schema, relay],
             stdin=subprocess.PIPE,
@@ -673,24 +679,27 @@ def medians(rounds: list[dict[str, float]]) -> dict[str, float]:
     return {key: round(statistics.median(r[key] for r in rounds), 2) for key in rounds[0]}
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 2) if a and b else None
+def ratio(ours: float | None, baseline: float | None) -> float | None:
+    return round(ours / baseline, 2) if ours and baseline else None
 
 
 def summary(figures: dict[str, dict[str, float]], args: argparse.Namespace, load: list[float]) -> dict[str, Any]:
-    ours, plain = figures.get("ours"), figures.get("plain")
-    peers = {name: figures[name] for name in PEERS if name in figures}
-    best_peer = max(peers, key=lambda name: peers[name]["enqueue_then_drain_per_s"]) if peers else None
+    peers = [name for name in PEERS if name in figures]
+    best_peer = max(peers, key=lambda name: figures[name]["enqueue_then_drain_per_s"]) if peers else None
+
+    def figure(system: str | None, key: str) -> float | None:
+        return figures[system][key] if system in figures else None
+
     return {
         "ratio_to_plain": ratio(
-            ours and ours["enqueue_then_drain_per_s"], plain and plain["enqueue_then_drain_per_s"]
+            figure("ours", "enqueue_then_drain_per_s"), figure("plain", "enqueue_then_drain_per_s")
         ),
         "ratio_to_best_peer": ratio(
-            ours and ours["enqueue_then_drain_per_s"], best_peer and peers[best_peer]["enqueue_then_drain_per_s"]
+            figure("ours", "enqueue_then_drain_per_s"), figure(best_peer, "enqueue_then_drain_per_s")
         ),
-        "drain_ratio_to_plain": ratio(ours and ours["drain_per_s"], plain and plain["drain_per_s"]),
-        "latency_p99_ms": ours["latency_p99_ms"] if ours else None,
-        "latency_p50_ms": ours["latency_p50_ms"] if ours else None,
+        "drain_ratio_to_plain": ratio(figure("ours", "drain_per_s"), figure("plain", "drain_per_s")),
+        "latency_p99_ms": figure("ours", "latency_p99_ms"),
+        "latency_p50_ms": figure("ours", "latency_p50_ms"),
         "best_peer": best_peer,
         "jobs": args.jobs,
         "rounds": args.rounds,
@@ -705,7 +714,7 @@ def summary(figures: dict[str, dict[str, float]], args: argparse.Namespace, load
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=2000, help="jobs per system in the drain and enqueue phases")
+    parser.add_argument("--jobs", type=int, default=1000, help="jobs per system in the drain and enqueue phases")
     parser.add_argument("--rounds", type=int, default=1, help="rounds, systems interleaved; medians reported")
     parser.add_argument("--rate", type=float, default=200.0, help="jobs/s in the latency phase")
     parser.add_argument("--latency-seconds", type=float, default=5.0, help="length of the latency phase")
@@ -749,13 +758,17 @@ def main(argv: list[str] | None = None) -> None:
     run_id = uuid.uuid4().hex[:6]
     load = [round(os.getloadavg()[0], 2)]
     results: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
-    with _interrupts_as_exit():
-        for round_no in range(args.rounds):
-            shift = round_no % len(systems)
-            for system in systems[shift:] + systems[:shift]:
-                figures = run_system(system, f"{run_id}{round_no}", args)
-                log(f"round {round_no + 1} {system}: {figures}")
-                results[system].append(figures)
+    try:
+        with _interrupts_as_exit():
+            for round_no in range(args.rounds):
+                shift = round_no % len(systems)
+                for system in systems[shift:] + systems[:shift]:
+                    figures = run_system(system, f"{run_id}{round_no}", args)
+                    log(f"round {round_no + 1} {system}: {figures}")
+                    results[system].append(figures)
+    except KeyboardInterrupt:
+        # run_system's finally blocks have stopped the children and dropped the schema and queues.
+        raise SystemExit("interrupted; the worker processes, schemas and queues of this run are gone") from None
     load.append(round(os.getloadavg()[0], 2))
     print(json.dumps(summary({name: medians(r) for name, r in results.items() if r}, args, load)), flush=True)
 
