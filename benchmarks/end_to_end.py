@@ -177,7 +177,8 @@ def dramatiq_broker(system: str, schema: str, *, role: str, relay: str) -> tuple
     elif system == "dramatiq_postgres":
         import dramatiq_postgres
 
-        url = with_query(DATABASE_URL, maxconn=THREADS + 4 if worker else 2)
+        # Its pool (8 in the worker) comes on top of the actor's 8: 20 connections in all.
+        url = with_query(DATABASE_URL, maxconn=THREADS if worker else 2)
         broker = dramatiq_postgres.PostgresBroker(url=url, schema=schema, results=False)
         fn = ThreadConnections(schema)
     else:
