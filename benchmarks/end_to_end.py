@@ -2,7 +2,7 @@
 
     pip install -e '.[bench]'
     python benchmarks/end_to_end.py [--jobs 1000] [--rounds 1] [--rate 200] [--latency-seconds 5]
-                                    [--relay worker|process] [--systems ours,plain,...]
+                                    [--relay worker|process] [--producers 1|2] [--systems ours,plain,...]
 
 Systems, each measured with the same one-INSERT actor and its worker in a process of its own
 (1 process; 8 threads for the Dramatiq-based ones, 8 concurrent tasks for the asyncio ones;
@@ -30,7 +30,9 @@ For every system, in one worker process, three phases:
      the worker starts, and drain jobs/s = jobs / (last effect row - start).  For ``ours`` the
      backlog sits in the outbox, so the relay's catch-up is part of the drain.
   2. enqueue-then-drain: with the worker running, the producer sends ``--jobs`` jobs as fast as
-     it can, one transaction each; jobs/s = jobs / (last effect row - first send).
+     it can, one transaction each; jobs/s = jobs / (last effect row - first send).  One producer
+     thread is bounded by its own round trips per job; ``--producers 2`` runs two, in threads
+     with their own connections, job n sent by producer n mod 2 (in every phase).
   3. latency: ``--rate`` jobs/s for ``--latency-seconds``; per job, from the producer's commit
      of the business row (``time.time()`` after it returns) to the effect row's
      ``clock_timestamp()`` (same host, same clock), p50 and p99.
@@ -157,7 +159,7 @@ def dramatiq_broker(system: str, schema: str, *, role: str, relay: str) -> tuple
             url=RABBITMQ_URL,
             database=DATABASE_URL,
             schema=schema,
-            pool_max_size=THREADS + 4 if worker else 2,
+            pool_max_size=THREADS + 4 if worker else 1,
             middleware=_full_middleware(relay=relay == "worker"),
         )
         fn: Callable[[int, int], None] = _job_connection_actor(schema)
@@ -167,7 +169,7 @@ def dramatiq_broker(system: str, schema: str, *, role: str, relay: str) -> tuple
         broker = PostgresBroker(
             database=DATABASE_URL,
             schema=schema,
-            pool_max_size=THREADS + 4 if worker else 2,
+            pool_max_size=THREADS + 4 if worker else 1,
             middleware=_full_middleware(relay=False),
         )
         fn = _job_connection_actor(schema)
@@ -178,7 +180,7 @@ def dramatiq_broker(system: str, schema: str, *, role: str, relay: str) -> tuple
         import dramatiq_postgres
 
         # Its pool (8 in the worker) comes on top of the actor's 8: 20 connections in all.
-        url = with_query(DATABASE_URL, maxconn=THREADS if worker else 2)
+        url = with_query(DATABASE_URL, maxconn=THREADS if worker else 1)
         broker = dramatiq_postgres.PostgresBroker(url=url, schema=schema, results=False)
         fn = ThreadConnections(schema)
     else:
@@ -257,10 +259,14 @@ class DramatiqProducer(AfterCommitProducer):
 
 
 class AsyncProducer(AfterCommitProducer):
-    """An asyncio peer driven from this thread: one event loop, kept for the producer's life."""
+    """An asyncio peer driven from its producer thread: one event loop, kept for the producer's life.
 
-    def __init__(self, schema: str) -> None:
+    ``install``: create the peer's tables (the first producer of a run does).
+    """
+
+    def __init__(self, schema: str, *, install: bool) -> None:
         super().__init__(schema)
+        self.install = install
         self.loop = asyncio.new_event_loop()
 
     def enqueue(self, phase: int, n: int) -> None:
@@ -291,7 +297,8 @@ class PgQueuerProducer(AsyncProducer):
             DATABASE_URL, autocommit=True, options=search_path(self.schema)
         )
         self.queries = Queries(PsycopgDriver(self.aconn))
-        await self.queries.install(create_schema=False)
+        if self.install:
+            await self.queries.install(create_schema=False)
 
     async def aenqueue(self, phase: int, n: int) -> None:
         await self.queries.enqueue(ACTOR, f"{phase},{n}".encode())
@@ -314,7 +321,7 @@ def procrastinate_app(schema: str, *, max_size: int) -> Any:
 class ProcrastinateProducer(AsyncProducer):
     def open(self) -> None:
         super().open()
-        self.app = procrastinate_app(self.schema, max_size=2)
+        self.app = procrastinate_app(self.schema, max_size=1)
 
         @self.app.task(name=ACTOR, queue=self.schema)
         async def job(phase: int, n: int) -> None:  # never run here: the worker process runs it
@@ -325,7 +332,8 @@ class ProcrastinateProducer(AsyncProducer):
 
     async def aopen(self) -> None:
         await self.app.open_async()
-        await self.app.schema_manager.apply_schema_async()
+        if self.install:
+            await self.app.schema_manager.apply_schema_async()
 
     async def aenqueue(self, phase: int, n: int) -> None:
         await self.task.defer_async(phase=phase, n=n)
@@ -335,15 +343,15 @@ class ProcrastinateProducer(AsyncProducer):
             await self.app.close_async()
 
 
-def make_producer(system: str, schema: str, relay: str) -> Producer:
+def make_producer(system: str, schema: str, relay: str, *, install: bool) -> Producer:
     if system in ("ours", "postgres_broker"):
         return OutboxProducer(system, schema, relay)
     if system in ("plain", "dramatiq_postgres"):
         return DramatiqProducer(system, schema)
     if system == "pgqueuer":
-        return PgQueuerProducer(schema)
+        return PgQueuerProducer(schema, install=install)
     if system == "procrastinate":
-        return ProcrastinateProducer(schema)
+        return ProcrastinateProducer(schema, install=install)
     raise ValueError(f"unknown system {system!r}")
 
 
@@ -595,27 +603,54 @@ class Effects:
         self.conn.close()
 
 
+def in_threads(producers: list[Producer], work: Callable[[int, Producer], None]) -> None:
+    """Run ``work(i, producer)`` for each producer in a thread of its own; re-raise the first failure."""
+    errors: list[BaseException] = []
+
+    def run(i: int, producer: Producer) -> None:
+        try:
+            work(i, producer)
+        except BaseException as error:  # reported in the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i, p), daemon=True) for i, p in enumerate(producers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 def run_system(system: str, run_id: str, args: argparse.Namespace) -> dict[str, float]:
     schema = f"{PREFIX}{run_id}_{system}"
     jobs = args.jobs
     timeout_s = max(120.0, jobs / 20)
     children: list[Child] = []
-    producer: Producer | None = None
+    producers: list[Producer] = []
     effects: Effects | None = None
     try:
         prepare(system, schema)
-        producer = make_producer(system, schema, args.relay)
-        producer.open()
+        for i in range(args.producers):
+            producers.append(make_producer(system, schema, args.relay, install=i == 0))
+            producers[-1].open()
         effects = Effects(schema)
         children.append(Child("worker", system, schema, args.relay))
         if system == "ours" and args.relay == "process":
             children.append(Child("relay", system, schema, args.relay))
         for child in children:
             child.wait_ready()
+        count = len(producers)
+
+        def burst(phase: int) -> Callable[[int, Producer], None]:
+            def work(i: int, producer: Producer) -> None:
+                for n in range(i, jobs, count):  # producer i sends every count-th job
+                    producer.send(phase, n)
+
+            return work
 
         # 1. drain a backlog loaded while the worker waits
-        for n in range(jobs):
-            producer.send(PHASE_DRAIN, n)
+        in_threads(producers, burst(PHASE_DRAIN))
         started = time.time()
         for child in children:
             child.say("go")
@@ -624,21 +659,24 @@ def run_system(system: str, run_id: str, args: argparse.Namespace) -> dict[str, 
 
         # 2. enqueue then drain, the worker running
         started = time.time()
-        for n in range(jobs):
-            producer.send(PHASE_E2D, n)
+        in_threads(producers, burst(PHASE_E2D))
         sent = time.time()
         last = effects.wait(PHASE_E2D, jobs, children, timeout_s)
         e2d = jobs / (last - started)
 
-        # 3. commit-to-effect latency at a steady rate
+        # 3. commit-to-effect latency at a steady rate, job n due at begin + n / rate
         total = max(1, int(args.rate * args.latency_seconds))
         committed: dict[int, float] = {}
         begin = time.monotonic()
-        for n in range(total):
-            pause = begin + n / args.rate - time.monotonic()
-            if pause > 0:
-                time.sleep(pause)
-            committed[n] = producer.send(PHASE_LATENCY, n)
+
+        def steady(i: int, producer: Producer) -> None:
+            for n in range(i, total, count):
+                pause = begin + n / args.rate - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
+                committed[n] = producer.send(PHASE_LATENCY, n)
+
+        in_threads(producers, steady)
         achieved = total / (time.monotonic() - begin)
         effects.wait(PHASE_LATENCY, total, children, timeout_s)
         at = effects.times(PHASE_LATENCY)
@@ -654,7 +692,7 @@ def run_system(system: str, run_id: str, args: argparse.Namespace) -> dict[str, 
     finally:
         for child in children:
             child.stop()
-        if producer is not None:
+        for producer in producers:
             try:
                 producer.close()
             except Exception as error:  # the cleanup below must still run
@@ -707,6 +745,7 @@ def summary(figures: dict[str, dict[str, float]], args: argparse.Namespace, load
         "rate_per_s": args.rate,
         "latency_seconds": args.latency_seconds,
         "relay": args.relay,
+        "producers": args.producers,
         "threads": THREADS,
         "load_average_1m": load,
         "systems": figures,
@@ -717,6 +756,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--jobs", type=int, default=1000, help="jobs per system in the drain and enqueue phases")
     parser.add_argument("--rounds", type=int, default=1, help="rounds, systems interleaved; medians reported")
+    parser.add_argument(
+        "--producers",
+        type=int,
+        choices=range(1, 3),
+        default=1,
+        metavar="1-2",
+        help="producer threads in this process; each holds 2-3 connections (2: up to 21 in all)",
+    )
     parser.add_argument("--rate", type=float, default=200.0, help="jobs/s in the latency phase")
     parser.add_argument("--latency-seconds", type=float, default=5.0, help="length of the latency phase")
     parser.add_argument(

@@ -27,14 +27,19 @@ def test_help_names_every_flag(end_to_end: ModuleType, capsys: pytest.CaptureFix
         end_to_end.parse_args(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--jobs", "--rounds", "--rate", "--latency-seconds", "--relay", "--systems"):
+    for flag in ("--jobs", "--rounds", "--rate", "--latency-seconds", "--relay", "--producers", "--systems"):
         assert flag in out
 
 
 def test_defaults_run_every_system_once_with_the_worker_relay(end_to_end: ModuleType):
     args = end_to_end.parse_args([])
     assert args.systems == list(end_to_end.SYSTEMS)
-    assert (args.rounds, args.relay) == (1, "worker")
+    assert (args.rounds, args.relay, args.producers) == (1, "worker", 1)
+
+
+def test_more_producers_than_the_connection_budget_allows_are_refused(end_to_end: ModuleType):
+    with pytest.raises(SystemExit):
+        end_to_end.parse_args(["--producers", "3"])
 
 
 def test_an_unknown_system_is_refused_with_the_choices(end_to_end: ModuleType, capsys: pytest.CaptureFixture[str]):
