@@ -167,11 +167,31 @@ def create_wsgi_app(database: Any = None, **options: Any) -> Any:
     """:func:`create_app` as a WSGI app (through ``a2wsgi``), for Django and Flask.
 
     Takes the same arguments.  Mount it under a path with your framework's means (Werkzeug's
-    ``DispatcherMiddleware``, a Django URL to a WSGI view); links follow ``SCRIPT_NAME``.
+    ``DispatcherMiddleware``, a Django URL to a WSGI view); links follow ``SCRIPT_NAME``.  The
+    Starlette app is its ``.app``; its connections close when the process exits (WSGI has no
+    shutdown hook), or call ``.app.state.settings.close()``.
     """
     from a2wsgi import ASGIMiddleware
 
-    return ASGIMiddleware(create_app(database, **options))  # type: ignore[arg-type]
+    return _WsgiClient(ASGIMiddleware(create_app(database, **options)))  # type: ignore[arg-type]
+
+
+class _WsgiClient:
+    """Passes the client address through even from servers that set no ``REMOTE_PORT``.
+
+    a2wsgi gives the ASGI app a client only with both ``REMOTE_ADDR`` and ``REMOTE_PORT``;
+    ``wsgiref`` (Django's ``runserver``) sets only the first, and without a client the
+    loopback-only default would refuse every request.
+    """
+
+    def __init__(self, wsgi: Any) -> None:
+        self.wsgi = wsgi
+        self.app = wsgi.app
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        if environ.get("REMOTE_ADDR") and not environ.get("REMOTE_PORT"):
+            environ = {**environ, "REMOTE_PORT": "0"}
+        return self.wsgi(environ, start_response)
 
 
 def _routes() -> list[Route | Mount]:

@@ -96,7 +96,7 @@ def _environment() -> jinja2.Environment:
     )
     env.filters.update(ago=ago, since=since, until=until, when=when, epoch=epoch, number=number)
     env.globals["link"] = jinja2.pass_context(
-        lambda context, name, query=None, **params: link(context["request"], name, query, **params)
+        lambda context, route, /, query=None, **params: link(context["request"], route, query, **params)
     )
     env.globals["static"] = jinja2.pass_context(
         lambda context, path: context["request"].url_for("static", path=path).path
