@@ -25,7 +25,7 @@ from starlette.responses import RedirectResponse, Response
 
 from .. import events
 from .._util import format_age
-from ..dead_letters import DeadLetterFilter
+from ..dead_letters.selection import Selection, Verb
 from ..errors import ConfigurationError, ScheduleDisabled, ScheduleNotFound
 from ..outbox.admin import retry_failing
 from ..scheduler.admin import pause_schedule, resume_schedule, trigger_schedule
@@ -68,55 +68,50 @@ def who(request: Request) -> str:
     return f"web:{request.client.host if request.client else 'unknown'}"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Selection:
-    ids: tuple[int, ...] | None
-    where: DeadLetterFilter
-
-    def describe(self) -> str:
-        if self.ids is not None:
-            shown = ", ".join(str(item) for item in self.ids[:10]) + (", ..." if len(self.ids) > 10 else "")
-            text = f"id {shown}" if len(self.ids) == 1 else f"{len(self.ids)} ids ({shown})"
-            return text if self.where.is_empty else f"{text}, {self.where.describe()}"
-        return self.where.describe()
-
-    def fields(self) -> list[tuple[str, str]]:
-        """The form fields that pick the same rows again (for the confirmation's re-post)."""
-        pairs = [("id", str(item)) for item in self.ids or ()]
-        for name, field in FILTER_FIELDS.items():
-            value = getattr(self.where, field)
-            if value is not None:
-                pairs.append((name, value))
-        return pairs
-
-    def list_query(self) -> dict[str, str]:
-        return {name: getattr(self.where, field) for name, field in FILTER_FIELDS.items() if getattr(self.where, field)}
+def _fields(selection: Selection) -> list[tuple[str, str]]:
+    """The form fields that pick the same rows again (for the confirmation's re-post)."""
+    pairs = [("id", str(item)) for item in selection.ids or ()]
+    for name, field in FILTER_FIELDS.items():
+        value = getattr(selection.where, field)
+        if value is not None:
+            pairs.append((name, value))
+    return pairs
 
 
-def _selection(form: FormData) -> _Selection:
+def _list_query(selection: Selection) -> dict[str, str]:
+    """The list page's query showing what is left of the selection's filter."""
+    return {
+        name: getattr(selection.where, field)
+        for name, field in FILTER_FIELDS.items()
+        if getattr(selection.where, field)
+    }
+
+
+def _selection(form: FormData) -> Selection:
     """The rows a form picks: ids, a filter (a group is its fingerprint), or both (their intersection).
 
-    Raises ``ConfigurationError`` for a form that picks nothing: an action on every dead letter
-    takes a filter, as ``--all`` on the command line takes a flag.
+    Raises ``ConfigurationError`` for a form that picks nothing: the page has no "every dead
+    letter" button, as the command line takes ``--all`` for that.
     """
-    raw_ids = [str(value) for value in form.getlist("id")]
     ids: list[int] = []
-    for value in raw_ids:
+    for value in (str(item) for item in form.getlist("id")):
         if not value.isdigit() or not 0 < int(value) < 2**63:
             raise ConfigurationError(f"{value[:40]!r} is not a dead letter id")
         ids.append(int(value))
     if len(ids) > _MAX_IDS:
         raise ConfigurationError(f"{len(ids)} ids in one request; select at most {_MAX_IDS}, or use a filter")
-    where = parse_filter(form)
-    if not ids and where.is_empty:
-        raise ConfigurationError("select at least one dead letter (tick its box), or act on a group or a filter")
-    return _Selection(tuple(dict.fromkeys(ids)) if ids else None, where)
+    try:
+        return Selection.of(ids, parse_filter(form))
+    except ConfigurationError:
+        raise ConfigurationError(
+            "select at least one dead letter (tick its box), or act on a group or a filter"
+        ) from None
 
 
-def _back(request: Request, selection: _Selection) -> str:
+def _back(request: Request, selection: Selection) -> str:
     if selection.ids is not None and len(selection.ids) == 1 and selection.where.is_empty:
         return link(request, "dead_letter", id=selection.ids[0])
-    return link(request, "dead_letter_list", selection.list_query())
+    return link(request, "dead_letter_list", _list_query(selection))
 
 
 def _refuse(request: Request, error: Exception, page: str) -> Response:
@@ -140,7 +135,7 @@ async def discard(request: Request) -> Response:
     return await _dead_letter_action(request, "discard")
 
 
-async def _dead_letter_action(request: Request, verb: str) -> Response:
+async def _dead_letter_action(request: Request, verb: Verb) -> Response:
     settings = settings_of(request)
     form = await request.form()
     try:
@@ -151,25 +146,20 @@ async def _dead_letter_action(request: Request, verb: str) -> Response:
     reason = str(form.get("reason") or "").strip() or None
     store = settings.actions
     if form.get("confirm") != "1":
-        # The count is a dashboard query: on the bounded pool.
-        reader = settings.read_store()
-        if verb == "replay":
-            total, too_old = await run_in_threadpool(
-                reader.replay_preview, ids=selection.ids, where=selection.where, force=False
-            )
-        else:
-            total, too_old = await run_in_threadpool(reader.count, ids=selection.ids, where=selection.where), 0
+        # The count is a dashboard query: on the bounded pool.  Previewed unforced, so the page
+        # says how many the age rule refuses whether or not force is ticked yet.
+        preview = await run_in_threadpool(selection.preview, settings.read_store(), verb)
         return render(
             request,
             "confirm.html",
             {
                 "page": "dead-letters",
                 "verb": verb,
-                "total": total,
-                "too_old": too_old,
+                "total": preview.total,
+                "too_old": preview.too_old,
                 "max_age": _age(settings.replay_max_age_ms),
                 "selection": selection.describe(),
-                "fields": selection.fields(),
+                "fields": _fields(selection),
                 "force": force,
                 "action_url": link(request, verb),
                 "back": _back(request, selection),
@@ -216,7 +206,7 @@ async def _dead_letter_action(request: Request, verb: str) -> Response:
             forced=force,
         )
     )
-    response = RedirectResponse(link(request, "dead_letter_list", selection.list_query()), status_code=303)
+    response = RedirectResponse(link(request, "dead_letter_list", _list_query(selection)), status_code=303)
     add_flash(request, response, *flashes)
     return response
 
