@@ -107,14 +107,17 @@ def _environment() -> jinja2.Environment:
 templates = Jinja2Templates(env=_environment())
 
 
-def render(request: Request, template: str, context: Mapping[str, Any], *, status_code: int = 200) -> Response:
-    """Draw ``template`` with the request's access and pending flash messages; clears the flash cookie."""
+def render(
+    request: Request, template: str, context: Mapping[str, Any], *, status_code: int = 200, flash: bool = True
+) -> Response:
+    """Draw ``template`` with the request's access and pending flash messages, clearing the flash
+    cookie; ``flash=False`` for a fragment, which has no place to show them and leaves them be."""
     access: Access = getattr(request.state, "access", Access("read"))
-    flashes = _read_flashes(request)
+    flashes = _read_flashes(request) if flash else []
     response = templates.TemplateResponse(
         request,
         template,
-        {"access": access, "flashes": flashes, "hide_args": False, **context},
+        {"access": access, "flashes": flashes, **context},
         status_code=status_code,
     )
     if flashes:

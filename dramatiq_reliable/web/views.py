@@ -61,7 +61,7 @@ def overview(request: Request) -> Response:
 
 def overview_fragment(request: Request) -> Response:
     """The overview table alone, for htmx to swap in."""
-    return render(request, "_overview.html", _health(request))
+    return render(request, "_overview.html", _health(request), flash=False)
 
 
 def _health(request: Request) -> dict[str, Any]:
