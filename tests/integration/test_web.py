@@ -26,7 +26,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
 
-from dramatiq_reliable import OutboxBroker, PostgresDeadLetterStore, events
+from dramatiq_reliable import OutboxBroker, PostgresBroker, PostgresDeadLetterStore, events
 from dramatiq_reliable.dead_letters import DeadLetter, DeadLetters
 from dramatiq_reliable.health import collect_health
 from dramatiq_reliable.scheduler import Registry, Scheduler
@@ -57,7 +57,7 @@ def broker(rabbitmq_url: str, database_url: str, db_schema: str) -> Iterator[Out
 
 
 def capture(
-    broker: OutboxBroker,
+    broker: OutboxBroker | PostgresBroker,
     *,
     actor_name: str = "send_email",
     queue_name: str = "web_mail",
@@ -484,3 +484,23 @@ def test_events_go_to_listeners(client_for, db, db_schema):
         events.unsubscribe(received.append)
     action = next(event for event in received if isinstance(event, WebAction))
     assert (action.action, action.who, action.done) == ("outbox.retry", "web:ann", 1)
+
+
+def test_with_a_postgres_broker_replays_and_manual_runs_go_to_its_queue_table(
+    database_url, db_schema, client_for, db, stored_schedules
+):
+    postgres_broker = PostgresBroker(database=database_url, schema=db_schema)
+    try:
+        item = capture(postgres_broker, queue_name="web_pg")
+        client = client_for(create_app(broker=postgres_broker, access=full))
+        done = client.post("/dead-letters/replay", data={"id": str(item.id), "confirm": "1"})
+        assert "replayed 1 dead letter(s) to their Postgres queues" in cell(done.text, "flash")
+        client.post("/schedules/web-often/trigger")
+        queued = db.execute(
+            sql.SQL("SELECT queue_name FROM {}.queue ORDER BY id").format(sql.Identifier(db_schema))
+        ).fetchall()
+        assert queued == [("web_pg",), ("web_q",)]
+        assert outbox_rows(db, db_schema) == 0
+        assert cell(client.get("/").text, "depth", within='data-queue="web_pg"') == "1"
+    finally:
+        postgres_broker.close()
