@@ -56,6 +56,7 @@ def create_app(
     queues: Iterable[str] = (),
     replay_max_age_ms: int | None = DEFAULT_REPLAY_MAX_AGE_MS,
     page_size: int = 50,
+    scan_interval_ms: int = 60_000,
 ) -> Starlette:
     """The web page for the person on call, as a Starlette (ASGI) app.
 
@@ -79,6 +80,9 @@ def create_app(
       replay_max_age_ms: replays of jobs first sent longer ago are refused unless forced, as
         ``dead-letters replay --max-age`` (default 7 days); ``None`` never refuses.
       page_size: rows per page of the dead-letter list.
+      scan_interval_ms: how often the overview runs ``status``'s two full scans of the outbox
+        (the queues it ever saw, the retries not yet due); in between it reads the backlog
+        through the outbox's partial index and shows the retries counted by the last scan.
 
     >>> from starlette.applications import Starlette                                 # doctest: +SKIP
     >>> app = Starlette()                                                            # doctest: +SKIP
@@ -117,6 +121,7 @@ def create_app(
     if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 1000:
         raise ConfigurationError(f"page_size must be an int from 1 to 1000, got {page_size!r}")
     queue_list = [str(name) for name in queues]
+    check_ms("scan_interval_ms", scan_interval_ms, minimum=0, fix="e.g. scan_interval_ms=60000; 0 scans every time")
 
     rabbitmq: QueueDepths | None = None
     if rabbitmq_url is not None:
@@ -138,6 +143,7 @@ def create_app(
         rabbitmq=rabbitmq,
         queues=queue_list,
         page_size=page_size,
+        scan_interval_ms=scan_interval_ms,
         owned=[acting] if acting.owned else [],
     )
 

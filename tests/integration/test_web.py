@@ -504,3 +504,23 @@ def test_with_a_postgres_broker_replays_and_manual_runs_go_to_its_queue_table(
         assert cell(client.get("/").text, "depth", within='data-queue="web_pg"') == "1"
     finally:
         postgres_broker.close()
+
+
+def test_the_overview_runs_the_full_outbox_scans_once_per_interval_not_every_refresh(client_for, db, db_schema):
+    insert_outbox(db, db_schema, "web_mail")
+    client = client_for(scan_interval_ms=3_600_000)
+    first = client.get("/fragments/overview")
+    assert 'data-queue="web_mail"' in first.text and "counted by a full scan" in first.text
+    # A queue only published rows name is found by the full scan alone.
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {}.outbox (message_id, queue_name, actor_name, body, published_at) "
+            "VALUES ('m-late', 'web_late', 'a', '\\x7b7d', now())"
+        ).format(sql.Identifier(db_schema))
+    )
+    insert_outbox(db, db_schema, "web_mail")
+    cached = client.get("/fragments/overview")
+    assert cell(cached.text, "outbox-backlog", within='data-queue="web_mail"') == "2"  # the backlog is live
+    assert cell(cached.text, "retries-waiting", within='data-queue="web_mail"') == "0"  # from the scan
+    assert 'data-queue="web_late"' not in cached.text
+    assert 'data-queue="web_late"' in client_for(scan_interval_ms=0).get("/fragments/overview").text
