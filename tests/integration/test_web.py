@@ -281,6 +281,15 @@ def test_replaying_a_group_confirms_the_count_refuses_too_old_rows_then_replays(
     assert forced.status_code == 200 and states(db, db_schema)[old.id] == "replayed"
 
 
+def test_without_an_age_limit_nothing_is_refused_as_too_old(broker, client_for, db, db_schema):
+    old = capture(broker, sent_days_ago=30)
+    client = client_for(access=full, replay_max_age_ms=None)
+    confirm = client.post("/dead-letters/replay", data={"id": str(old.id)})
+    assert cell(confirm.text, "confirm-too-old") == "0" and "no replay age limit" in confirm.text
+    client.post("/dead-letters/replay", data={"id": str(old.id), "confirm": "1"})
+    assert states(db, db_schema) == {old.id: "replayed"}
+
+
 def test_replaying_and_discarding_a_selection_and_one_letter(broker, client_for, db, db_schema, seen):
     rows = [capture(broker) for _ in range(4)]
     client = client_for(access=full)
