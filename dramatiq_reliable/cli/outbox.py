@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from .. import _sql, schema
+from ..outbox.wake import wake_relays
 from . import output
 from .common import Duration, ExitCode, connect, open_database
 
@@ -74,10 +75,13 @@ def _retry(args: argparse.Namespace) -> int:
         schema.ensure_ready(conn, schema=args.schema, required=schema.OUTBOX_VERSION, feature="outbox")
         with conn.transaction():
             reset = conn.execute(_sql.query("outbox_retry", args.schema)).rowcount
+            if reset:
+                # Delivered on commit: idle relays pass at once instead of at their next probe.
+                wake_relays(conn, schema=args.schema)
     if args.json:
         output.print_json({"reset": reset})
     else:
-        print(f"reset {output.count(reset, 'failing row')}; the relay publishes them on its next pass")
+        print(f"reset {output.count(reset, 'failing row')}; the relays were woken to publish them")
     return ExitCode.OK
 
 
