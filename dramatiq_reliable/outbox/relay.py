@@ -273,6 +273,9 @@ class Relay:
         self._stop = threading.Event()
         self._checked_schema = False
         self._listener: psycopg.Connection[Any] | None = None
+        # The idle sleep in progress, in seconds (None while passing): what tests and
+        # debuggers look at to know the relay is idle.
+        self._sleeping_s: float | None = None
 
     @classmethod
     def from_broker(cls, broker: OutboxBroker, **options: Any) -> Relay:
@@ -521,7 +524,7 @@ class Relay:
         that fail on their own) do not make this one spin.
         """
         while not self._stop.is_set():
-            delay_s = wake.idle_delay_s(step, ceiling_s=self.poll_interval_s)
+            delay_s = wake.idle_delay_s(step, ceiling_s=self.poll_interval_s, first_s=wake.FIRST_IDLE_S)
             step += 1
             if self._sleep(delay_s):
                 return 0
@@ -532,17 +535,21 @@ class Relay:
     def _sleep(self, delay_s: float) -> bool:
         """Sleep ``delay_s``; ``True`` if a NOTIFY ended it early (``stop()`` also ends it)."""
         deadline = time.monotonic() + delay_s
-        while not self._stop.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            if self._listener is None:
-                self._stop.wait(min(remaining, _WAIT_SLICE_S))
-                continue
-            # Short slices keep stop() responsive; a notify ends the wait at once.
-            for _ in self._listener.notifies(timeout=min(remaining, _WAIT_SLICE_S), stop_after=1):
-                return True
-        return False
+        self._sleeping_s = delay_s
+        try:
+            while not self._stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                if self._listener is None:
+                    self._stop.wait(min(remaining, _WAIT_SLICE_S))
+                    continue
+                # Short slices keep stop() responsive; a notify ends the wait at once.
+                for _ in self._listener.notifies(timeout=min(remaining, _WAIT_SLICE_S), stop_after=1):
+                    return True
+            return False
+        finally:
+            self._sleeping_s = None
 
     def _probe(self) -> bool:
         """Whether a pass would find rows: one autocommit query on the LISTEN connection.
