@@ -57,7 +57,7 @@ def register(
     parser.add_argument(
         "--poll-interval",
         type=Duration(minimum_ms=1),
-        default="1s",
+        default="250ms",
         metavar="DURATION",
         help="the idle ceiling: longest sleep between probes of an idle outbox (a row after a long idle waits at most this)",
     )

@@ -7,7 +7,7 @@ and a later pass publishes them again with the same ``message_id``: delivery int
 at least once, never zero.
 
 Producers' inserts send the relay nothing (see :mod:`.wake`): after a pass that found rows the
-relay passes again at once; after an empty one it sleeps a short, doubling, jittered delay up to
+relay passes again at once; after an empty one it sleeps a short, growing, jittered delay up to
 ``poll_interval_ms``, probing the outbox between sleeps.  It also listens (``LISTEN``), so an explicit
 :func:`~.wake.wake_relays` ends a sleep at once, and listens again after a dropped connection.  With RabbitMQ
 unreachable it keeps the rows, backs off without counting attempts against them, and drains
@@ -148,7 +148,7 @@ class RelayOptions:
     """How a relay runs; validated once, where it is built.  See :class:`Relay` for each field."""
 
     batch_size: int = 500
-    poll_interval_ms: int = 1000
+    poll_interval_ms: int = 250
     on_published: Literal["mark", "delete"] = "mark"
     retention_ms: int | None = 24 * 3600 * 1000
     purge_interval_ms: int = 60_000
@@ -209,9 +209,9 @@ class Relay:
       batch_size: rows claimed and published per pass.
       poll_interval_ms: the idle ceiling: the longest sleep between probes of an idle outbox,
         and so the longest a row committed after a long idle waits for this relay.  After an
-        empty pass the relay sleeps about 1 ms, doubling (jittered) up to this; each sleep ends
-        with one probe of the outbox (one index lookup), so an idle relay costs about
-        ``1000 / poll_interval_ms`` queries a second.
+        empty pass the relay sleeps about 1 ms, a quarter longer each time (jittered) up to
+        this; each sleep ends with one probe of the outbox (one index lookup), so an idle
+        relay costs about ``1000 / (0.75 * poll_interval_ms)`` queries a second.
       on_published: ``"mark"`` sets ``published_at`` (rows kept for ``retention_ms``, handy
         for audits) or ``"delete"`` removes rows as soon as they are confirmed.
       retention_ms: how long published rows are kept; ``None`` keeps them until purged by hand.

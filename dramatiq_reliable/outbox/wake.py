@@ -3,8 +3,8 @@
 A producer's outbox insert sends no NOTIFY (a transaction that notified takes a cluster-wide
 lock at commit, so notifying producers would serialise).  The relay wakes itself instead:
 after a pass that found rows it passes again at once; after an empty pass it sleeps a short,
-doubling, jittered delay (about 1 ms first) up to ``poll_interval_ms``, probing the outbox
-between sleeps.  A row committed while traffic flows is picked up within a few milliseconds;
+slowly growing, jittered delay (about 1 ms first, a quarter longer each time) up to
+``poll_interval_ms``, probing the outbox between sleeps.  A row committed while traffic flows is picked up within a few milliseconds;
 the first row after a long idle within ``poll_interval_ms``.
 
 Relays still ``LISTEN`` on the channel ``"<schema>.outbox"``: :func:`wake_relays` ends their
@@ -25,6 +25,11 @@ __all__ = ["channel", "idle_delay_s", "wake_relays"]
 
 # The first sleep after an empty pass: at a steady rate the next row is usually this close.
 FIRST_IDLE_S = 0.001
+# Each empty probe lengthens the next sleep by this factor.  A row committed after a quiet gap
+# of G ms waits up to about G * (GROWTH - 1) for the sleep in progress: doubling would add the
+# whole gap (a producer's 100 ms stall becoming 100 ms more latency for the rows behind it); a
+# quarter adds at most a quarter, for about 25 probes from 1 ms to a 250 ms ceiling instead of 8.
+GROWTH = 1.25
 
 
 def channel(schema: str) -> str:
@@ -50,11 +55,11 @@ def wake_relays(conn: psycopg.Connection[Any], *, schema: str = _sql.DEFAULT_SCH
 
 
 def idle_delay_s(step: int, *, ceiling_s: float, first_s: float = FIRST_IDLE_S) -> float:
-    """The sleep after ``step`` consecutive empty probes (0 for the first): doubling, jittered.
+    """The sleep after ``step`` consecutive empty probes (0 for the first): growing, jittered.
 
-    Drawn from the upper half of ``first_s * 2**step`` (capped at ``ceiling_s``), so relays
+    Drawn from the upper half of ``first_s * GROWTH**step`` (capped at ``ceiling_s``), so relays
     that went idle together drift apart instead of probing Postgres in lockstep, and no sleep
     exceeds ``ceiling_s``.
     """
-    bound = min(ceiling_s, first_s * 2 ** min(step, 40))
+    bound = min(ceiling_s, first_s * GROWTH ** min(step, 400))
     return random.uniform(bound / 2, bound)

@@ -150,11 +150,11 @@ def test_a_relay_that_keeps_rows_purges_only_when_told_how_old():
     st.floats(min_value=0.001, max_value=3600.0),
     st.floats(min_value=0.0001, max_value=1.0),
 )
-def test_an_idle_sleep_is_within_the_upper_half_of_its_doubling_bound_and_never_past_the_ceiling(
+def test_an_idle_sleep_is_within_the_upper_half_of_its_growing_bound_and_never_past_the_ceiling(
     step: int, ceiling_s: float, first_s: float
 ) -> None:
-    """The idle backoff doubles from first_s, is capped at the ceiling, and keeps at least half its bound."""
-    bound = min(ceiling_s, first_s * 2 ** min(step, 40))
+    """The idle backoff grows from first_s, is capped at the ceiling, and keeps at least half its bound."""
+    bound = min(ceiling_s, first_s * wake.GROWTH ** min(step, 400))
     delay = wake.idle_delay_s(step, ceiling_s=ceiling_s, first_s=first_s)
     assert bound / 2 <= delay <= bound <= ceiling_s
 
