@@ -119,3 +119,71 @@ def test_rows_locked_by_another_relay_do_not_make_an_idle_relay_spin(broker, que
         holder.rollback()
     row = db.execute(sql.SQL("SELECT published_at FROM {}").format(sql.Identifier(db_schema, "outbox"))).fetchone()
     assert row is not None and row[0] is None
+
+
+# -- the paths that wake the relays explicitly -----------------------------------------------------
+
+
+@pytest.fixture
+def wake_ups(database_url: str, db_schema: str) -> Any:
+    """A LISTEN connection on the relays' channel: ``wake_ups()`` returns what arrived since."""
+    with psycopg.connect(database_url, autocommit=True) as listener:
+        listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(wake.channel(db_schema))))
+        yield lambda: list(listener.notifies(timeout=1.0, stop_after=1))
+
+
+def test_a_producer_send_notifies_nobody(broker, queue_name, wake_ups):
+    task = _actor(broker, queue_name)
+    with broker.transaction():
+        task.send(1)
+    task.send(2)  # unbound: its own transaction
+    assert wake_ups() == []
+
+
+def test_outbox_retry_wakes_the_relays_when_it_reset_rows(database_url, db, db_schema, broker, queue_name, wake_ups):
+    from dramatiq_reliable.cli import ExitCode, main
+
+    task = _actor(broker, queue_name)
+    task.send(1)
+    db.execute(sql.SQL("UPDATE {} SET attempts = 25").format(sql.Identifier(db_schema, "outbox")))
+    assert main(["outbox", "retry", "--database-url", database_url, "--schema", db_schema]) == ExitCode.OK
+    [note] = wake_ups()
+    assert note.channel == wake.channel(db_schema)
+
+
+def test_a_dead_letter_replay_to_the_outbox_wakes_the_relays(broker, db_schema, wake_ups):
+    from dramatiq.broker import MessageProxy
+    from dramatiq.message import Message
+
+    from dramatiq_reliable.dead_letters import DeadLetters, PostgresDeadLetterStore
+
+    proxy = MessageProxy(Message(queue_name="default", actor_name="send_email", args=(1,), kwargs={}, options={}))
+    try:
+        raise ValueError("boom")
+    except ValueError as raised:
+        proxy.stuff_exception(raised)
+    proxy.fail()
+    stored = DeadLetters().capture(broker, proxy)
+    assert stored is not None
+    assert PostgresDeadLetterStore.from_broker(broker).replay(ids=[stored.id]).replayed == 1
+    [note] = wake_ups()
+    assert note.channel == wake.channel(db_schema)
+
+
+def test_a_scheduler_pass_that_fires_and_a_manual_trigger_wake_the_relays(database_url, db_schema, wake_ups):
+    import datetime as dt
+
+    from dramatiq_reliable.scheduler import Registry, Scheduler, schedule, trigger_schedule
+
+    registry = Registry()
+    schedule("every-second", actor="tick", queue_name="q", every_ms=1000, overlap="allow", registry=registry)
+    loop = Scheduler(database=database_url, schema=db_schema, registry=registry)
+    try:
+        loop.sync()
+        later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=5)
+        assert loop.tick_once(now=later).fired >= 1
+        assert len(wake_ups()) == 1
+        trigger_schedule(database_url, "every-second", schema=db_schema)
+        assert len(wake_ups()) == 1
+    finally:
+        loop.close()

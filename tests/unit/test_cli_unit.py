@@ -52,7 +52,7 @@ def test_every_command_has_a_description_and_every_option_help_and_its_default(p
 def test_relay_help_shows_the_defaults_of_its_options(capsys):
     assert main(["relay", "--help"]) == ExitCode.OK
     text = " ".join(capsys.readouterr().out.split())
-    for shown in ("(default: 500)", "(default: mark)", "(default: 1s)", "(default: 1d)", "(default: none)"):
+    for shown in ("(default: 500)", "(default: mark)", "(default: 250ms)", "(default: 1d)", "(default: none)"):
         assert shown in text
 
 
