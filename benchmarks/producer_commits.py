@@ -27,6 +27,7 @@ The last line printed is one JSON object with the figures and ratios.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
@@ -172,15 +173,18 @@ def measure_commits(
     """Interleaved slices: every round runs each table at each connection count, in rotating order."""
     runs: dict[str, dict[int, list[float]]] = {v: {n: [] for n in args.connections} for v in VARIANTS}
     producers = Producers([schemas[v] for v in VARIANTS], max(args.connections), body)
-    order = list(range(len(VARIANTS)))
+    # Every order of the three tables, cycled so that at each connection count each table runs
+    # first, second and last equally often: the slice after a change of connection count runs
+    # on a server still settling from the one before.
+    orders = list(itertools.permutations(range(len(VARIANTS))))
     try:
         for round_no in range(args.rounds):
             if round_no % 4 == 0:
                 truncate(conn, schemas)  # the three tables stay small and alike
-            for connections in args.connections:
-                for variant in order:
+            for index, connections in enumerate(args.connections):
+                producers.measure(0, connections, args.seconds / 3)  # settle; not counted
+                for variant in orders[(round_no + 2 * index) % len(orders)]:
                     runs[VARIANTS[variant]][connections].append(producers.measure(variant, connections, args.seconds))
-                order = order[1:] + order[:1]  # no table always runs first or last
             log(
                 f"   round {round_no + 1}: "
                 + "; ".join(
