@@ -1,4 +1,4 @@
-r"""The relay: moves committed outbox rows to RabbitMQ, and marks them only after RabbitMQ confirmed.
+"""The relay: moves committed outbox rows to RabbitMQ, and marks them only after RabbitMQ confirmed.
 
 One pass claims a batch of rows with ``SELECT ... FOR UPDATE SKIP LOCKED`` inside a
 transaction, publishes them with pipelined publisher confirms, then marks (or deletes) the
@@ -6,13 +6,14 @@ confirmed rows and commits.  A crash anywhere before that commit leaves the rows
 and a later pass publishes them again with the same ``message_id``: delivery into RabbitMQ is
 at least once, never zero.
 
-Producers' inserts send the relay nothing (see :mod:`.wake`): after a pass that found rows the
-relay passes again at once; after an empty one it sleeps a short, growing, jittered delay up to
-``poll_interval_ms``, probing the outbox between sleeps.  It also listens (``LISTEN``), so an explicit
-:func:`~.wake.wake_relays` ends a sleep at once, and listens again after a dropped connection.  With RabbitMQ
-unreachable it keeps the rows, backs off without counting attempts against them, and drains
-when RabbitMQ returns.  A row that fails on its own (a nack, an unroutable or oversized message)
-gets ``attempts`` and ``last_error`` and waits, backing off, while the others go through.
+Producers' inserts send the relay nothing (see :mod:`.wake`): after a pass that published it
+passes again at once; after an empty one it sleeps a short, growing, jittered delay up to
+``poll_interval_ms``, probing the outbox between sleeps.  It also holds a ``LISTEN``
+connection, so an explicit :func:`~.wake.wake_relays` ends a sleep at once, and listens again
+after a dropped connection.  With RabbitMQ unreachable it keeps the rows, backs off without
+counting attempts against them, and drains when RabbitMQ returns.  A row that fails on its own
+(a nack, an unroutable or oversized message) gets ``attempts`` and ``last_error`` and waits,
+backing off, while the others go through.
 
 Run it as a process (``dramatiq-reliable relay``) or inside every worker process with the
 :class:`WorkerRelay` middleware; any number of relays may run at once.
