@@ -73,7 +73,7 @@ def _retry(args: argparse.Namespace) -> int:
     if args.json:
         output.print_json({"reset": reset})
     else:
-        print(f"reset {output.count(reset, 'failing row')}; the relay publishes them on its next pass")
+        print(f"reset {output.count(reset, 'failing row')}; the relays were woken to publish them")
     return ExitCode.OK
 
 

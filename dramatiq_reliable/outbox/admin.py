@@ -2,7 +2,8 @@
 
 The functions the ``outbox stats`` and ``outbox retry`` commands and the web page call, so both
 read and act the same way.  Each takes an open connection with no transaction in progress and
-leaves it so (reads end with a rollback, the retry commits its one statement).
+leaves it so (reads end with a rollback, the retry commits its one statement and, if it reset
+rows, a wake-up of the relays).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import psycopg
 
 from .. import _sql, schema
+from .wake import wake_relays
 
 __all__ = ["FailingRow", "OutboxStats", "failing_rows", "outbox_stats", "retry_failing"]
 
@@ -74,10 +76,14 @@ def failing_rows(
 
 def retry_failing(conn: psycopg.Connection[Any], *, schema_name: str = _sql.DEFAULT_SCHEMA) -> int:
     """Reset the attempts of every unpublished row that failed on its own (those the relay stopped
-    trying after ``max_attempts`` included), so its next pass publishes them; return how many."""
+    trying after ``max_attempts`` included), so its next pass publishes them; return how many.  Wakes the relays when it reset any."""
     with conn.transaction():
         _ready(conn, schema_name)
-        return int(conn.execute(_sql.query("outbox_retry", schema_name)).rowcount)
+        reset = int(conn.execute(_sql.query("outbox_retry", schema_name)).rowcount)
+        if reset:
+            # Delivered on commit: idle relays pass at once instead of at their next probe.
+            wake_relays(conn, schema=schema_name)
+        return reset
 
 
 def _ready(conn: psycopg.Connection[Any], schema_name: str) -> None:
