@@ -48,19 +48,43 @@ def test_a_migrated_schema_has_no_trigger_on_the_outbox(db, db_schema):
     assert _notify_function(db, db_schema) == 0
 
 
-def test_migrating_a_version_5_schema_removes_the_old_notify_trigger(database_url, db, unmigrated_schema):
-    # Build the schema as release 0005 left it: migrations 1-5 only, the 0001 trigger included.
+def _as_release_5_left_it(database_url: str, schema_name: str) -> None:
+    """Migrations 1-5 only, the 0001 trigger included."""
     with psycopg.connect(database_url) as conn, conn.transaction():
-        conn.execute(schema._header(unmigrated_schema))
+        conn.execute(schema._header(schema_name))
         for migration in schema.migrations()[:5]:
-            conn.execute(_sql.compose(migration.text, unmigrated_schema))
-            conn.execute(schema._record(unmigrated_schema, migration))
+            conn.execute(_sql.compose(migration.text, schema_name))
+            conn.execute(schema._record(schema_name, migration))
+
+
+def test_migrating_a_version_5_schema_removes_the_old_notify_trigger(database_url, db, unmigrated_schema):
+    _as_release_5_left_it(database_url, unmigrated_schema)
     assert schema.current_version(db, schema=unmigrated_schema) == 5
     assert _outbox_triggers(db, unmigrated_schema) == ["outbox_notify"]
 
     assert schema.migrate(database_url, schema=unmigrated_schema) == [6]
     assert _outbox_triggers(db, unmigrated_schema) == []
     assert _notify_function(db, unmigrated_schema) == 0
+
+
+def test_code_that_lands_before_migration_6_still_sends_and_relays(
+    database_url, db, unmigrated_schema, queue_name, rabbit
+):
+    # Migration 6 only removes a cost: a deploy whose code runs before it must not refuse sends.
+    _as_release_5_left_it(database_url, unmigrated_schema)
+    broker = OutboxBroker(database=database_url, schema=unmigrated_schema, url=rabbit.url)
+    try:
+        task = _actor(broker, queue_name)
+        relay = Relay.from_broker(broker, poll_interval_ms=60_000)
+        with running(relay.run, relay.stop):
+            wait_for(lambda: relay._sleeping_s is not None, message="relay never went idle")
+            with broker.transaction():
+                task.send(1)
+            # The old trigger's NOTIFY is on the relays' channel: it ends the minute-long sleep.
+            wait_for(lambda: rabbit.count(queue_name) == 1, timeout_ms=10_000, message="row never relayed")
+    finally:
+        broker.close()
+    assert schema.current_version(db, schema=unmigrated_schema) == 5
 
 
 def test_an_idle_relay_picks_up_a_new_row_within_its_ceiling_without_any_notify(
