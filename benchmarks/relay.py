@@ -14,7 +14,7 @@ Measures, on the same servers:
   3. 1, 2 and 4 relays (one process each) draining ``--scaling-rows`` rows of one queue, and of
      four queues;
   4. a naive relay: claim rows, publish each with a blocking confirm, mark them;
-  5. commit-to-confirmed latency p50/p99 at a steady 500 messages/s with NOTIFY wake-up;
+  5. commit-to-confirmed latency p50/p99 at a steady 500 messages/s (the relay finds new rows by itself: no NOTIFY since migration 6);
   6. ``send()`` inside an open transaction vs Dramatiq's own ``send()`` with confirm_delivery=True.
 Backlogs are built with one ``INSERT ... SELECT generate_series`` each (bodies the size and
 shape ``send()`` writes, one message id each).  Everything created is dropped at the end.
@@ -482,7 +482,7 @@ def main() -> None:
         log(f"   {naive:,.0f} rows/s")
         admin.queue_purge(queue)
 
-        log(f"5. latency at {args.rate} msg/s for {args.latency_seconds}s, NOTIFY wake-up")
+        log(f"5. latency at {args.rate} msg/s for {args.latency_seconds}s, the relay waking by itself")
         p50, p99, lost = latency(broker, actor, queue, args.latency_seconds, args.rate)
         log(f"   p50 {p50:.2f} ms, p99 {p99:.2f} ms, undelivered {lost}")
         admin.queue_purge(queue)
