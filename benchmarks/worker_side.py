@@ -1,6 +1,6 @@
 """Worker-side benchmark: the whole middleware list against plain Dramatiq, one middleware at a time, in one run.
 
-    python benchmarks/worker_side.py [--n 3000] [--threads 8] [--rounds 3] [--prefix bench_worker_]
+    python benchmarks/worker_side.py [--n 1500] [--threads 8] [--rounds 3] [--prefix bench_worker_]
     python benchmarks/worker_side.py --scenarios plain,full --rounds 5     # just the headline pair
     python benchmarks/worker_side.py --py-spy /tmp/profiles                # a py-spy profile per worker
 
@@ -90,8 +90,8 @@ def build_worker(scenario: str, *, url: str, schema: str, queue: str, pool_size:
         _sql,
         build_middleware,
         job_connection,
-        payload_hash,
     )
+    from dramatiq_reliable.idempotency import payload_hash
 
     insert = sql.SQL("INSERT INTO {} (n) VALUES (%s)").format(sql.Identifier(schema, "business"))
     fn: Callable[[int], None]
@@ -104,7 +104,7 @@ def build_worker(scenario: str, *, url: str, schema: str, queue: str, pool_size:
         def fn(i: int) -> None:
             with database.connection() as conn, conn.transaction():
                 if with_key:
-                    key = f"{queue}-{i}"
+                    key = str(uuid.uuid4())  # random, as the message ids the middleware uses are
                     params = {
                         "actor_name": ACTOR,
                         "job_key": key,
@@ -294,7 +294,7 @@ def run_scenario(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=int(os.environ.get("WORKER_BENCH_N", "3000")))
+    parser.add_argument("--n", type=int, default=int(os.environ.get("WORKER_BENCH_N", "1500")))
     parser.add_argument("--threads", type=int, default=8, help="worker threads (Dramatiq's default: 8)")
     parser.add_argument("--rounds", type=int, default=int(os.environ.get("WORKER_BENCH_ROUNDS", "3")))
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, from " + ",".join(SCENARIOS))
