@@ -32,8 +32,9 @@ logger = logging.getLogger("dramatiq_reliable.cli.relay")
 
 _DESCRIPTION = """\
 Forward committed outbox rows to RabbitMQ, marking each row only after RabbitMQ confirmed it.
-Wakes on the NOTIFY every outbox insert sends, polls as a fallback, and waits out outages of
-Postgres or RabbitMQ without losing a row.  Any number of relays may run at once (rows are
+Wakes itself (an idle relay probes the outbox after sleeps growing from 1 ms to
+--poll-interval; producers send it nothing), wakes at once on 'outbox retry', dead-letter replays
+and scheduler fires, and waits out outages of Postgres or RabbitMQ without losing a row.  Any number of relays may run at once (rows are
 claimed with SKIP LOCKED).  SIGTERM or Ctrl-C finishes the batch in hand, then exits 0.
 
 Its log (stderr, INFO) says when it starts and stops, and every --progress-interval how many
@@ -56,9 +57,9 @@ def register(
     parser.add_argument(
         "--poll-interval",
         type=Duration(minimum_ms=1),
-        default="1s",
+        default="250ms",
         metavar="DURATION",
-        help="longest sleep between passes when no NOTIFY arrives",
+        help="the idle ceiling: longest sleep between probes of an idle outbox (a row after a long idle waits at most this)",
     )
     parser.add_argument(
         "--on-published",

@@ -23,6 +23,7 @@ from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError
 from ..outbox.binding import bound_connection
 from ..outbox.broker import OutboxBroker
+from ..outbox.wake import wake_relays
 from ..postgres.broker import PostgresBroker
 from .analysis import Failure, _clean_text
 from .connect import write_within
@@ -452,6 +453,10 @@ class PostgresDeadLetterStore:
                     .execute(self._query(name), {**params, "after_at": after_at, "after_id": after_id}, prepare=False)
                     .fetchone()
                 )
+                if name == "dead_letters_replay" and row is not None and row[0]:
+                    # One NOTIFY per batch, delivered with its commit: idle relays publish the
+                    # replay at once.  Producers' inserts send none (see outbox/wake.py).
+                    wake_relays(tx, schema=self.schema)
             assert row is not None
             handled = int(row[0])
             done += handled

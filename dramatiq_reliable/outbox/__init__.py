@@ -3,5 +3,15 @@
 from .binding import bind
 from .broker import OutboxBroker
 from .relay import Relay, RelayOptions, RelayPass, WorkerRelay, purge_published
+from .wake import wake_relays
 
-__all__ = ["OutboxBroker", "Relay", "RelayOptions", "RelayPass", "WorkerRelay", "bind", "purge_published"]
+__all__ = [
+    "OutboxBroker",
+    "Relay",
+    "RelayOptions",
+    "RelayPass",
+    "WorkerRelay",
+    "bind",
+    "purge_published",
+    "wake_relays",
+]

@@ -6,11 +6,14 @@ confirmed rows and commits.  A crash anywhere before that commit leaves the rows
 and a later pass publishes them again with the same ``message_id``: delivery into RabbitMQ is
 at least once, never zero.
 
-Between passes the relay sleeps on ``LISTEN`` for the NOTIFY that every outbox insert sends on
-commit, with a polling fallback, and listens again after a dropped connection.  With RabbitMQ
-unreachable it keeps the rows, backs off without counting attempts against them, and drains
-when RabbitMQ returns.  A row that fails on its own (a nack, an unroutable or oversized message)
-gets ``attempts`` and ``last_error`` and waits, backing off, while the others go through.
+Producers' inserts send the relay nothing (see :mod:`.wake`): after a pass that published it
+passes again at once; after an empty one it sleeps a short, growing, jittered delay up to
+``poll_interval_ms``, probing the outbox between sleeps.  It also holds a ``LISTEN``
+connection, so an explicit :func:`~.wake.wake_relays` ends a sleep at once, and listens again
+after a dropped connection.  With RabbitMQ unreachable it keeps the rows, backs off without
+counting attempts against them, and drains when RabbitMQ returns.  A row that fails on its own
+(a nack, an unroutable or oversized message) gets ``attempts`` and ``last_error`` and waits,
+backing off, while the others go through.
 
 Run it as a process (``dramatiq-reliable relay``) or inside every worker process with the
 :class:`WorkerRelay` middleware; any number of relays may run at once.
@@ -36,6 +39,7 @@ from .._util import is_int as _is_int
 from .._util import redact
 from ..database import Database, DatabaseLike
 from ..errors import BrokerUnavailable, ConfigurationError, SchemaNotReady
+from . import wake
 from .broker import OutboxBroker
 from .publisher import Publication, Publisher
 
@@ -145,7 +149,7 @@ class RelayOptions:
     """How a relay runs; validated once, where it is built.  See :class:`Relay` for each field."""
 
     batch_size: int = 500
-    poll_interval_ms: int = 1000
+    poll_interval_ms: int = 250
     on_published: Literal["mark", "delete"] = "mark"
     retention_ms: int | None = 24 * 3600 * 1000
     purge_interval_ms: int = 60_000
@@ -204,7 +208,11 @@ class Relay:
         :class:`~dramatiq_reliable.Database`.
       schema: the Postgres schema of the tables.
       batch_size: rows claimed and published per pass.
-      poll_interval_ms: longest sleep between passes when no NOTIFY arrives.
+      poll_interval_ms: the idle ceiling: the longest sleep between probes of an idle outbox,
+        and so the longest a row committed after a long idle waits for this relay.  After an
+        empty pass the relay sleeps about 1 ms, a quarter longer each time (jittered) up to
+        this; each sleep ends with one probe of the outbox (one index lookup), so an idle
+        relay costs about ``1000 / (0.75 * poll_interval_ms)`` queries a second.
       on_published: ``"mark"`` sets ``published_at`` (rows kept for ``retention_ms``, handy
         for audits) or ``"delete"`` removes rows as soon as they are confirmed.
       retention_ms: how long published rows are kept; ``None`` keeps them until purged by hand.
@@ -223,7 +231,11 @@ class Relay:
         transaction is also closed by Postgres if it idles past ``confirm_timeout_ms`` plus this.
       backoff_min_ms / backoff_max_ms: the wait after RabbitMQ or Postgres was unreachable.
       row_backoff_max_ms: the longest wait of a row that keeps failing on its own.
-      listen: wake on NOTIFY; ``False`` polls only.
+      listen: hold a ``LISTEN`` connection, so :func:`~dramatiq_reliable.outbox.wake_relays`
+        ends an idle sleep at once; the probes between sleeps run on it.  ``False`` (PgBouncer
+        in transaction mode) holds no connection: explicit wake-ups are not heard, and each
+        idle step runs a pass through the pool instead of a probe.  Either way the relay finds
+        new rows by itself within ``poll_interval_ms``.
 
     The options are validated once, as a :class:`RelayOptions`, kept as ``relay.options``.
     """
@@ -262,6 +274,9 @@ class Relay:
         self._stop = threading.Event()
         self._checked_schema = False
         self._listener: psycopg.Connection[Any] | None = None
+        # The idle sleep in progress, in seconds (None while passing): what tests and
+        # debuggers look at to know the relay is idle.
+        self._sleeping_s: float | None = None
 
     @classmethod
     def from_broker(cls, broker: OutboxBroker, **options: Any) -> Relay:
@@ -417,6 +432,9 @@ class Relay:
         booted before a rolling deploy's migration), are logged and waited out with backoff.
         """
         failures = 0
+        # Consecutive idle steps: the backoff between probes grows with it, a pass that
+        # publishes resets it.
+        idle_step = 0
         next_purge = time.monotonic()
         logger.info("outbox relay started on schema %r", self.schema)
         try:
@@ -424,14 +442,18 @@ class Relay:
                 try:
                     if self.listen and self._listener is None:
                         self._listener = self._open_listener()
-                    self.drain()
+                    published = self.drain()
                     if failures:
                         logger.warning("outbox relay recovered after %d failed attempts", failures)
                     failures = 0
                     if self.retention_ms is not None and time.monotonic() >= next_purge:
                         self.purge()
                         next_purge = time.monotonic() + self.purge_interval_s
-                    self._wait()
+                    if published:
+                        # Rows arrive in runs: the next ones are probably committed already.
+                        idle_step = 0
+                        continue
+                    idle_step = self._wait(idle_step)
                 except BrokerUnavailable as error:
                     failures += 1
                     delay = self._backoff(failures)
@@ -475,7 +497,11 @@ class Relay:
     def _open_listener(self) -> psycopg.Connection[Any]:
         conn = self.database.connect(autocommit=True)
         try:
-            conn.execute(_sql.query("outbox_listen", self.schema, channel=f"{self.schema}.outbox"))
+            conn.execute(
+                _sql.query("outbox_waiter_timeout", self.schema),
+                {"statement_timeout": str(self.options.statement_timeout_ms)},
+            )
+            conn.execute(_sql.query("outbox_listen", self.schema, channel=wake.channel(self.schema)))
         except BaseException:
             conn.close()
             raise
@@ -489,19 +515,56 @@ class Relay:
                 logger.debug("error closing the LISTEN connection", exc_info=True)
             self._listener = None
 
-    def _wait(self) -> None:
-        """Sleep until a NOTIFY, the poll interval or stop(), whichever comes first."""
-        deadline = time.monotonic() + self.poll_interval_s
+    def _wait(self, step: int) -> int:
+        """Sleep until rows may be claimable; return the idle step to resume the backoff from.
+
+        Sleeps grow from about 1 ms to ``poll_interval_ms`` (jittered, so relays that went
+        idle together do not probe in lockstep), each followed by a probe of the outbox.  A
+        NOTIFY (:func:`~.wake.wake_relays`) ends the wait at once and resets the backoff; a
+        probe that sees rows ends it without a reset, so rows another relay holds locked (or
+        that fail on their own) do not make this one spin.
+        """
         while not self._stop.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            if self._listener is None:
-                self._stop.wait(min(remaining, _WAIT_SLICE_S))
-                continue
-            # Short slices keep stop() responsive; a notify ends the wait at once.
-            for _ in self._listener.notifies(timeout=min(remaining, _WAIT_SLICE_S), stop_after=1):
-                return
+            delay_s = wake.idle_delay_s(step, ceiling_s=self.poll_interval_s, first_s=wake.FIRST_IDLE_S)
+            step += 1
+            if self._sleep(delay_s):
+                return 0
+            if self._stop.is_set() or self._probe():
+                return step
+        return step
+
+    def _sleep(self, delay_s: float) -> bool:
+        """Sleep ``delay_s``; ``True`` if a NOTIFY ended it early (``stop()`` also ends it)."""
+        deadline = time.monotonic() + delay_s
+        self._sleeping_s = delay_s
+        try:
+            while not self._stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                if self._listener is None:
+                    self._stop.wait(min(remaining, _WAIT_SLICE_S))
+                    continue
+                # Short slices keep stop() responsive; a notify ends the wait at once.
+                for _ in self._listener.notifies(timeout=min(remaining, _WAIT_SLICE_S), stop_after=1):
+                    return True
+            return False
+        finally:
+            self._sleeping_s = None
+
+    def _probe(self) -> bool:
+        """Whether a pass would find rows: one autocommit query on the LISTEN connection.
+
+        Without one (``listen=False``) the pass itself is the probe.
+        """
+        if self._listener is None:
+            return True
+        row = (
+            _sql.tuples(self._listener)
+            .execute(_sql.query("outbox_probe", self.schema), {"max_attempts": self.options.max_attempts or _NO_LIMIT})
+            .fetchone()
+        )
+        return bool(row and row[0])
 
 
 def _within_bytes(rows: list[Any], max_bytes: int) -> list[Any]:

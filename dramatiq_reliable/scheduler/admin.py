@@ -29,6 +29,7 @@ from psycopg.rows import dict_row
 from .. import _sql, schema
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError, ScheduleDisabled, ScheduleNotFound
+from ..outbox.wake import wake_relays
 from .loop import Target, add_tick, empty_ticks, tick_message, tick_message_id
 from .spec import Schedule, explain
 
@@ -186,6 +187,9 @@ def trigger_schedule(
         statement = "schedule_fire_queue" if target == "queue" else "schedule_fire"
         written = conn.execute(_sql.query(statement, schema_name), params).rowcount
         if written == 1:
+            if target == "outbox":
+                # A manual run is someone waiting: wake the relays when this commits.
+                wake_relays(conn, schema=schema_name)
             return message_id
         # The tick of this millisecond exists already (a double click): that run is this one.
         existing = (

@@ -29,6 +29,7 @@ from .. import _sql, events, schema
 from .._util import first_line
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError, SchemaNotReady
+from ..outbox.wake import wake_relays
 from .policies import plan
 from .registry import Registry, default_registry
 from .spec import Schedule
@@ -247,6 +248,10 @@ class Scheduler:
                 else:
                     del fire["priorities"]
                     conn.execute(_sql.query("schedule_fire", self.schema), fire)
+                    if fired:
+                        # One NOTIFY per pass, delivered with its commit: ticks fire on time
+                        # even when the relays' idle poll is long.
+                        wake_relays(conn, schema=self.schema)
             conn.execute(_sql.query("schedule_advance", self.schema), advance)
         return SchedulerPass(len(rows), fired, skipped)
 

@@ -1,2 +1,2 @@
--- The channel every outbox insert notifies on commit (see the trigger in 0001_outbox.sql).
+-- The channel explicit wake-ups notify (outbox_wake.sql); producers' inserts send nothing.
 LISTEN {channel}

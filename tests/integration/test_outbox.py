@@ -25,6 +25,7 @@ from dramatiq_reliable import (
     schema,
 )
 from dramatiq_reliable.errors import BrokerUnavailable
+from dramatiq_reliable.outbox import wake, wake_relays
 from dramatiq_reliable.testing import drain_outbox, wait_for
 
 pytestmark = pytest.mark.integration
@@ -256,13 +257,13 @@ def test_a_poison_row_records_its_error_and_does_not_block_the_others(broker, qu
     assert _rows(db, db_schema, "published_at IS NULL")[0][2] == 1
 
 
-def test_relay_wakes_on_notify_and_listens_again_after_a_dropped_connection(broker, queue_name, rabbit, db):
+def test_relay_listens_again_after_a_dropped_connection_and_hears_wake_ups(broker, queue_name, rabbit, db, monkeypatch):
+    # Idle sleeps of 5-10 minutes: only an explicit wake-up delivers within the timeouts below.
+    monkeypatch.setattr(wake, "FIRST_IDLE_S", 600.0)
     task = _actor(broker, queue_name)
-    relay = Relay.from_broker(broker, poll_interval_ms=60_000)
+    relay = Relay.from_broker(broker, poll_interval_ms=600_000)
     with running(relay.run, relay.stop):
         wait_for(lambda: relay._listener is not None, message="relay never listened")
-        task.send(1)
-        wait_for(lambda: rabbit.count(queue_name) == 1, timeout_ms=10000, message="NOTIFY did not wake the relay")
         pid = relay._listener.info.backend_pid
         db.execute("SELECT pg_terminate_backend(%s)", (pid,))
         # The relay notices on its next wait slice, backs off and listens again on a new connection.
@@ -273,8 +274,11 @@ def test_relay_wakes_on_notify_and_listens_again_after_a_dropped_connection(brok
             timeout_ms=15000,
             message="relay did not listen again",
         )
-        task.send(2)
-        wait_for(lambda: rabbit.count(queue_name) == 2, timeout_ms=10000, message="no wake-up after re-listening")
+        wait_for(lambda: (relay._sleeping_s or 0) > 60, message="relay never went back to sleep")
+        with broker.transaction() as conn:
+            task.send(2)
+            wake_relays(conn, schema=broker.schema)
+        wait_for(lambda: rabbit.count(queue_name) == 1, timeout_ms=10000, message="no wake-up after re-listening")
 
 
 def test_purge_deletes_published_rows_past_retention_only(broker, queue_name, db, db_schema):

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dramatiq_reliable import ConfigurationError, OutboxBroker, Relay, bind, schema
 from dramatiq_reliable._sql import compose, validate_schema
 from dramatiq_reliable.cli.common import duration_ms as _duration_ms
 from dramatiq_reliable.database import Database
+from dramatiq_reliable.outbox import wake
 from dramatiq_reliable.outbox.binding import bound_connection
 
 
@@ -140,3 +143,28 @@ def test_a_relay_that_keeps_rows_purges_only_when_told_how_old():
     relay = Relay(rabbitmq_url="amqp://127.0.0.1:1", database="postgresql://127.0.0.1:1/x", retention_ms=None)
     with pytest.raises(ConfigurationError, match="pass older_than_ms="):
         relay.purge()
+
+
+@given(
+    st.integers(min_value=0, max_value=10_000),
+    st.floats(min_value=0.001, max_value=3600.0),
+    st.floats(min_value=0.0001, max_value=1.0),
+)
+def test_an_idle_sleep_is_within_the_upper_half_of_its_growing_bound_and_never_past_the_ceiling(
+    step: int, ceiling_s: float, first_s: float
+) -> None:
+    """The idle backoff grows from first_s, is capped at the ceiling, and keeps at least half its bound."""
+    bound = min(ceiling_s, first_s * wake.GROWTH ** min(step, 400))
+    delay = wake.idle_delay_s(step, ceiling_s=ceiling_s, first_s=first_s)
+    assert bound / 2 <= delay <= bound <= ceiling_s
+
+
+def test_idle_sleeps_are_jittered_so_relays_do_not_probe_in_lockstep() -> None:
+    """Two relays at the same idle step draw different sleeps."""
+    draws = {wake.idle_delay_s(5, ceiling_s=1.0) for _ in range(50)}
+    assert len(draws) > 1
+
+
+def test_the_wake_channel_is_named_after_the_schema() -> None:
+    """The channel the relays listen on and wake_relays() notifies."""
+    assert wake.channel("app") == "app.outbox"
