@@ -1,9 +1,9 @@
 """Idempotency benchmark: worker throughput with and without the middleware, side by side in one run.
 
-    python benchmarks/idempotency.py [--n 10000] [--threads 8] [--rounds 3]
+    python benchmarks/idempotency.py [--n 10000] [--threads 8] [--rounds 3] [--prefix bench_idem_]
     IDEMPOTENCY_BENCH_N=1000 python benchmarks/idempotency.py
 
-Five scenarios per round, interleaved so that machine noise hits them alike:
+Seven scenarios per round, interleaved so that machine noise hits them alike:
   1. db_without:         plain RabbitmqBroker; the actor borrows a pooled connection, opens a
                          transaction, inserts one business row and commits (what a careful actor
                          does anyway);
@@ -16,12 +16,18 @@ Five scenarios per round, interleaved so that machine noise hits them alike:
   5. noop_record:        the same no-op actor in record mode, the mode the docs recommend for an
                          actor whose effects are outside Postgres: an autocommit lookup before the
                          actor, an autocommit key INSERT after it (reported so that neither figure
-                         is hidden; on 2 cores it is not faster: docs/idempotency.md, "Speed").
+                         is hidden; on 2 cores it is not faster: docs/idempotency.md, "Speed");
+  6. db_key_raw:         the ceiling for 2, no middleware: scenario 1's actor runs the claim
+                         statement itself before its INSERT (what a durable key needs, nothing else);
+  7. noop_key_raw:       the ceiling for 4: an actor that only borrows a pooled connection and
+                         commits the claim statement in a transaction (BEGIN, INSERT, COMMIT).
 Every scenario gets its own queue, pre-filled with ``--n`` messages published straight to
 RabbitMQ (not through the outbox), so only processing is measured: wall time from worker start
 until the actor has run ``--n`` times.  The last line printed is one JSON object with the median
 rates (messages/s) and the ratios with/without: ``db_actor_ratio`` (2 / 1), ``noop_ratio``
-(4 / 3) and ``noop_record_ratio`` (5 / 3).
+(4 / 3), ``noop_record_ratio`` (5 / 3), and the ceilings ``db_ceiling_ratio`` (6 / 1) and
+``noop_ceiling_ratio`` (7 / 3): a middleware doing no work of its own beyond the claim would
+reach those.
 """
 
 from __future__ import annotations
@@ -44,11 +50,12 @@ from dramatiq.message import Message
 from dramatiq.middleware import Callbacks
 from psycopg import sql
 
-from dramatiq_reliable import Database, Idempotency, job_connection, migrate
+from dramatiq_reliable import Database, Idempotency, _sql, job_connection, migrate
+from dramatiq_reliable.idempotency import payload_hash
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
-SCENARIOS = ("db_without", "db_with", "noop_without", "noop_with", "noop_record")
+SCENARIOS = ("db_without", "db_with", "noop_without", "noop_with", "noop_record", "db_key_raw", "noop_key_raw")
 
 
 def log(text: str) -> None:
@@ -78,9 +85,9 @@ def prefill(queue: str, actor_name: str, n: int) -> None:
         publisher.close()
 
 
-def run_scenario(scenario: str, *, n: int, threads: int, schema: str) -> float:
+def run_scenario(scenario: str, *, n: int, threads: int, schema: str, prefix: str = "bench_idem_") -> float:
     """Process ``n`` pre-published messages in a fresh worker; return messages/s."""
-    queue = f"bench_idem_{uuid.uuid4().hex[:10]}"
+    queue = f"{prefix}{uuid.uuid4().hex[:10]}"
     actor_name = f"{scenario}_actor"
     broker = RabbitmqBroker(url=RABBITMQ_URL)
     with_idempotency = scenario.endswith(("_with", "_record"))
@@ -100,6 +107,25 @@ def run_scenario(scenario: str, *, n: int, threads: int, schema: str) -> float:
         def fn(i: int) -> None:
             with database.connection() as conn, conn.transaction():
                 conn.execute(insert, (i,))
+            done.add()
+
+    elif scenario in ("db_key_raw", "noop_key_raw"):
+        claim = _sql.rendered("idempotency_claim", schema)
+        business = scenario == "db_key_raw"
+
+        def fn(i: int) -> None:
+            key = str(uuid.uuid4())  # random, as the message ids the middleware uses are
+            params = {
+                "actor_name": actor_name,
+                "job_key": key,
+                "payload_hash": payload_hash((i,), {}),
+                "message_id": key,
+                "retention_s": 604_800.0,
+            }
+            with database.connection() as conn, conn.transaction():
+                conn.execute(claim, params).fetchone()
+                if business:
+                    conn.execute(insert, (i,))
             done.add()
 
     elif scenario == "db_with":
@@ -160,11 +186,12 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=int(os.environ.get("IDEMPOTENCY_BENCH_N", "10000")))
     parser.add_argument("--threads", type=int, default=8, help="worker threads (Dramatiq's default: 8)")
     parser.add_argument("--rounds", type=int, default=int(os.environ.get("IDEMPOTENCY_BENCH_ROUNDS", "3")))
+    parser.add_argument("--prefix", default="bench_idem_", help="schema and queue name prefix")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("pika").setLevel(logging.CRITICAL)
 
-    schema = f"bench_idem_{uuid.uuid4().hex[:8]}"
+    schema = f"{args.prefix}{uuid.uuid4().hex[:8]}"
     migrate(DATABASE_URL, schema=schema)
     with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
         conn.execute(
@@ -178,7 +205,7 @@ def main() -> None:
         for round_number in range(1, args.rounds + 1):
             for scenario in SCENARIOS:
                 reset(schema)
-                rate = run_scenario(scenario, n=args.n, threads=args.threads, schema=schema)
+                rate = run_scenario(scenario, n=args.n, threads=args.threads, schema=schema, prefix=args.prefix)
                 rates[scenario].append(rate)
                 log(f"round {round_number} {scenario:<18} {rate:9.0f} msg/s")
     finally:
@@ -195,6 +222,8 @@ def main() -> None:
         "db_actor_ratio": round(median["db_with"] / median["db_without"], 3),
         "noop_ratio": round(median["noop_with"] / median["noop_without"], 3),
         "noop_record_ratio": round(median["noop_record"] / median["noop_without"], 3),
+        "db_ceiling_ratio": round(median["db_key_raw"] / median["db_without"], 3),
+        "noop_ceiling_ratio": round(median["noop_key_raw"] / median["noop_without"], 3),
     }
     log(json.dumps(results))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -180,8 +179,11 @@ class DeadLetters(Middleware):
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         # The retry middleware increments "retries" in its after-hook, before the nack: keep the
         # count as the delivery arrived to know how many times the actor ran.
-        with contextlib.suppress(AttributeError, dataclasses.FrozenInstanceError):
+        # try/except, not contextlib.suppress: this runs for every message, a failure for none.
+        try:  # noqa: SIM105
             setattr(message, _PRIOR_ATTR, _as_int(message.options.get("retries")) or 0)
+        except (AttributeError, dataclasses.FrozenInstanceError):
+            pass
 
     def after_process_message(
         self,
@@ -191,8 +193,10 @@ class DeadLetters(Middleware):
         result: Any | None = None,
         exception: BaseException | None = None,
     ) -> None:
-        with contextlib.suppress(AttributeError, dataclasses.FrozenInstanceError):
+        try:  # noqa: SIM105 (see before_process_message)
             setattr(message, _RAN_ATTR, True)
+        except (AttributeError, dataclasses.FrozenInstanceError):
+            pass
 
     # -- the capture ---------------------------------------------------------------------------
 

@@ -262,8 +262,9 @@ class Idempotency(Middleware):
 
         Raises :class:`IdempotencyKeyError` when the key cannot be computed.
         """
-        actor_name = message.actor_name
-        actor = broker.get_actor(actor_name)
+        return self._job(broker.get_actor(message.actor_name), message)
+
+    def _job(self, actor: dramatiq.Actor[Any, Any], message: Message[Any] | MessageProxy) -> Job | None:
         mode = self._mode(actor, message)
         if mode == "off":
             if message.options.get("idempotency_key") is not None:
@@ -272,7 +273,7 @@ class Idempotency(Middleware):
                     "send with idempotency='transactional'"
                 )
             return None
-        return Job(actor_name, self._key(actor, message), mode, message.message_id)
+        return Job(actor.actor_name, self._key(actor, message), mode, message.message_id)
 
     def _mode(self, actor: dramatiq.Actor[Any, Any], message: Message[Any] | MessageProxy) -> Mode:
         mode = message.options.get("idempotency")
@@ -386,7 +387,7 @@ class Idempotency(Middleware):
         except ActorNotFound:
             return  # the worker reports it
         try:
-            job = self.job_for(broker, message)
+            job = self._job(actor, message)
         except IdempotencyKeyError as error:
             events.emit(IdempotencyKeyInvalid(message.actor_name, message.message_id, str(error)))
             message.fail()
@@ -589,7 +590,7 @@ class Idempotency(Middleware):
         """Borrow a connection, begin, claim the key; the stored row of a duplicate, else ``None``."""
         job = running.job
         params = _key_params(running)
-        claim, lookup = _sql.query("idempotency_claim", schema_name), _sql.query("idempotency_lookup", schema_name)
+        claim = _sql.rendered("idempotency_claim", schema_name)
         conn = self._borrow(database, deadline)
         running.conn, running.pool = conn, database.pool
         if conn.autocommit:
@@ -603,10 +604,11 @@ class Idempotency(Middleware):
         # The key is the transaction's first statement: one round trip on the common path.
         # Only a conflict reads the stored row, in a second statement that sees the commit
         # it may have waited for; a key purged in between is simply claimed again.
+        cursor = _sql.tuples(conn)
         for _attempt in range(3):
-            if _sql.tuples(conn).execute(claim, params).fetchone() is not None:
+            if cursor.execute(claim, params).fetchone() is not None:
                 break
-            stored = _sql.tuples(conn).execute(lookup, params).fetchone()
+            stored = cursor.execute(_sql.rendered("idempotency_lookup", schema_name), params).fetchone()
             if stored is not None:
                 return stored
         else:
@@ -694,7 +696,7 @@ class Idempotency(Middleware):
 
     def _check_recorded(self, running: Running, database: Database, schema_name: str) -> None:
         job = running.job
-        lookup = _sql.query("idempotency_lookup", schema_name)
+        lookup = _sql.rendered("idempotency_lookup", schema_name)
 
         def check(conn: psycopg.Connection[Any]) -> Any:
             if not self._schema_ready:
@@ -742,7 +744,7 @@ class Idempotency(Middleware):
             return
         assert self._target is not None
         database, schema_name = self._target
-        claim = _sql.query("idempotency_claim", schema_name)
+        claim = _sql.rendered("idempotency_claim", schema_name)
         try:
             # Autocommit, one key per statement.  Group commit (the threads' keys in one
             # multi-row INSERT, each thread waiting for the commit) halved the WAL flushes but

@@ -18,7 +18,7 @@ from .._util import check_ms
 from ..errors import ConfigurationError
 from .bridge import EventBridge
 from .metrics import HealthGauges, Instruments
-from .propagation import Propagation
+from .propagation import TRACE_CONTEXT_KEY, Propagation
 from .relay import RelaySpans
 from .spans import SpanRecorder
 
@@ -27,6 +27,16 @@ __all__ = ["Tracing"]
 logger = logging.getLogger("dramatiq_reliable.tracing")
 
 _INSTRUMENTATION = "dramatiq_reliable"
+# What the API hands out when no SDK is configured: a proxy that records nothing until a real
+# provider is set globally (then it is no longer returned), or an explicit no-op.
+_NO_OP_TRACER_PROVIDERS: tuple[type, ...] = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+_NO_OP_METER_PROVIDERS: tuple[type, ...] = (metrics.NoOpMeterProvider,)
+try:  # the global proxy's class is not public API: without it, only explicit no-ops are skipped
+    from opentelemetry.metrics._internal import _ProxyMeterProvider
+
+    _NO_OP_METER_PROVIDERS += (_ProxyMeterProvider,)
+except ImportError:  # pragma: no cover - a future opentelemetry-api
+    pass
 # Middleware whose after-hooks must run before ours (ours runs last only if we come first).
 _MUST_FOLLOW_TRACING = frozenset(
     {
@@ -184,6 +194,12 @@ class Tracing(Middleware):
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         self._broker = broker
+        if TRACE_CONTEXT_KEY not in message.options and self._no_op():
+            # Nothing would be recorded, and the message carries no context for the actor to
+            # continue (its baggage, a remote parent): open no span at all.  Checked per message,
+            # because the SDK may be configured after this middleware was built.
+            self._spans.skip_untraced()
+            return
         self._spans.start_attempt(broker, message)
 
     def after_process_message(
@@ -200,6 +216,14 @@ class Tracing(Middleware):
         self._spans.skip_attempt(message)
 
     # -- helpers -----------------------------------------------------------------------------------
+
+    def _no_op(self) -> bool:
+        """Whether both providers are no-ops: no SDK configured, or no-op providers given."""
+        tracer_provider = self.tracer_provider or trace.get_tracer_provider()
+        if not isinstance(tracer_provider, _NO_OP_TRACER_PROVIDERS):
+            return False
+        meter_provider = self.meter_provider or metrics.get_meter_provider()
+        return isinstance(meter_provider, _NO_OP_METER_PROVIDERS)
 
     def _flush(self) -> None:
         for provider in (

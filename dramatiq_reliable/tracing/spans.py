@@ -226,6 +226,15 @@ class SpanRecorder:
 
     # -- processing ------------------------------------------------------------------------------
 
+    def skip_untraced(self) -> None:
+        """A message processed with nothing to record: forget what the thread held before."""
+        state = self.current()
+        if state is None:
+            return
+        if state.attempt is not None:
+            self._finish(state, state.attempt, stale=True)
+        state.finished = None
+
     def start_attempt(self, broker: Broker, message: MessageProxy) -> None:
         """Open the attempt's span and attach it to this thread until :meth:`end_attempt`."""
         state = self.state()

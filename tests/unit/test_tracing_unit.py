@@ -550,6 +550,30 @@ def test_without_an_sdk_everything_is_a_no_op_and_no_context_is_written():
         middleware.close()
 
 
+def test_without_an_sdk_a_carried_context_still_reaches_the_actor():
+    """The no-op shortcut is taken only for messages that carry no context: one that does is
+    still attached, so an uninstrumented hop passes the remote parent on."""
+    middleware = Tracing()  # no SDK configured in this test process
+    try:
+        broker = make_broker(middleware)
+        seen: list[trace.SpanContext] = []
+
+        @dramatiq.actor(broker=broker)
+        def job() -> None:
+            seen.append(trace.get_current_span().get_span_context())
+
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        job.send_with_options(trace_context={"traceparent": parent})
+        job.send()
+        run(broker)
+        assert len(seen) == 2
+        assert format(seen[0].trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
+        assert not seen[1].is_valid
+        assert middleware._open_spans() == 0
+    finally:
+        middleware.close()
+
+
 def test_providers_are_flushed_at_worker_shutdown(otel):
     tracer_provider = mock.Mock(wraps=otel.tracer_provider)
     meter_provider = mock.Mock(wraps=otel.meter_provider)

@@ -34,3 +34,14 @@ def test_type_names_are_stable_and_public_for_our_errors():
 
 def test_ages_keep_two_units_before_switching():
     assert [format_age(s) for s in (None, 4.24, 75, 600, 7200, 200_000)] == ["-", "4.2s", "75s", "10m", "2.0h", "2.3d"]
+
+
+def test_a_rendered_query_is_the_composed_query_as_bytes_and_stays_composed_for_a_non_ascii_schema():
+    from psycopg import sql
+
+    from dramatiq_reliable import _sql
+
+    rendered = _sql.rendered("idempotency_claim", 'odd "schema"')
+    assert rendered == _sql.query("idempotency_claim", 'odd "schema"').as_bytes(None)
+    assert b'"odd ""schema"""' in rendered
+    assert isinstance(_sql.rendered("idempotency_claim", "schéma"), sql.Composed)
