@@ -1,0 +1,146 @@
+"""What the person on call sees: the overview, the dead letters grouped and filtered, one letter,
+the outbox and the schedules, in a real Chromium against the seeded schema."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from webseed import POISON_ERROR, TRACE_ID
+from webtools import number, row_ids
+
+try:
+    from playwright.sync_api import expect
+except ImportError:  # the browser fixture skips (or fails in CI) naming the install command
+    expect = None
+
+from dramatiq_reliable import PostgresDeadLetterStore
+
+
+@pytest.mark.parametrize("where", ["full", "jobs"], ids=["alone", "mounted-at-jobs"])
+def test_the_overview_shows_the_seeded_numbers_per_queue_and_refreshes_in_place(site, page, where):
+    base = getattr(site, where)
+    seeded = site.seeded
+    page.clock.install()  # htmx's "every 5s" runs on this clock: the test moves it on instead of waiting
+    page.goto(f"{base}/")
+    expect(page.get_by_test_id("access-mode")).to_contain_text("full")
+    expect(page.get_by_test_id("access-mode")).to_contain_text("alice")
+    for queue, dead in seeded.dead_per_queue.items():
+        row = page.locator(f'[data-testid="queue-row"][data-queue="{queue}"]')
+        expect(row).to_have_count(1)
+        assert number(row.get_by_test_id("dead-letters")) == dead, queue
+    for queue, backlog in seeded.outbox_backlog.items():
+        row = page.locator(f'[data-testid="queue-row"][data-queue="{queue}"]')
+        assert number(row.get_by_test_id("outbox-backlog")) == backlog, queue
+        expect(row.get_by_test_id("outbox-oldest")).to_contain_text(re.compile(r"\d"))
+    expect(page.get_by_test_id("problems")).to_have_count(0)
+
+    # The data changes; the table follows without the page being loaded again.
+    page.evaluate("window.notReloaded = true")
+    store = PostgresDeadLetterStore(database=site.database, schema=seeded.schema)
+    store.discard(ids=seeded.groups[seeded.fingerprint_of(seeded.payments)][1:2], by="browser-test")
+    payments = page.locator(f'[data-testid="queue-row"][data-queue="{seeded.payments}"]')
+    with page.expect_response(lambda response: "/fragments/overview" in response.url):
+        page.clock.fast_forward(6000)
+    expect(payments.get_by_test_id("dead-letters")).to_have_text(re.compile(r"^\s*3\b"))
+    assert page.evaluate("window.notReloaded") is True, "the overview reloaded the page instead of swapping the table"
+
+
+def test_dead_letters_are_grouped_by_fingerprint_and_the_list_filters_by_queue_and_fingerprint(site, page):
+    seeded = site.seeded
+    page.goto(f"{site.full}/dead-letters")
+    groups = page.get_by_test_id("dl-group")
+    expect(groups).to_have_count(3)
+    counts = {
+        group.get_attribute("data-fingerprint"): number(group.get_by_test_id("dl-group-count"))
+        for group in groups.all()
+    }
+    assert counts == {fp: len(ids) for fp, ids in seeded.groups.items()}
+    emails_fp = seeded.fingerprint_of(seeded.emails)
+    email_group = page.locator(f'[data-testid="dl-group"][data-fingerprint="{emails_fp}"]')
+    expect(email_group.get_by_test_id("dl-group-error")).to_contain_text("welcome_v2.html")
+    expect(email_group.get_by_test_id("dl-group-newest")).not_to_be_empty()
+
+    # The group's link opens the list filtered to it.
+    email_group.get_by_test_id("dl-group-link").click()
+    expect(page.get_by_test_id("dl-row")).to_have_count(2)
+    assert sorted(row_ids(page)) == seeded.groups[emails_fp]
+
+    # The filter form: by queue, then by fingerprint as well.
+    page.goto(f"{site.full}/dead-letters/list")
+    expect(page.get_by_test_id("dl-row")).to_have_count(7)
+    form = page.get_by_test_id("dl-filter")
+    form.locator('[name="queue"]').fill(seeded.payments)
+    form.locator('[name="fingerprint"]').fill("")
+    page.get_by_test_id("dl-filter-apply").click()
+    expect(page.get_by_test_id("dl-row")).to_have_count(4)
+    assert sorted(row_ids(page)) == seeded.groups[seeded.fingerprint_of(seeded.payments)]
+    assert f"queue={seeded.payments}" in page.url
+
+    form = page.get_by_test_id("dl-filter")
+    form.locator('[name="queue"]').fill("")
+    form.locator('[name="fingerprint"]').fill(seeded.fingerprint_of(seeded.reports))
+    page.get_by_test_id("dl-filter-apply").click()
+    expect(page.get_by_test_id("dl-row")).to_have_count(1)
+    assert row_ids(page) == seeded.groups[seeded.fingerprint_of(seeded.reports)]
+
+
+def test_one_letter_shows_its_error_traceback_attempts_classification_and_trace_id(site, page):
+    seeded = site.seeded
+    page.goto(f"{site.jobs}/dead-letters/list?queue={seeded.emails}")
+    page.locator(f'[data-testid="dl-row"][data-id="{seeded.detail_id}"]').get_by_test_id("dl-link").click()
+    page.wait_for_url(re.compile(rf"/jobs/dead-letters/{seeded.detail_id}$"))
+    expect(page.get_by_test_id("dl-error")).to_contain_text("TemplateMissing")
+    expect(page.get_by_test_id("dl-error")).to_contain_text("welcome_v2.html")
+    traceback = page.get_by_test_id("dl-traceback")
+    expect(traceback).to_contain_text("Traceback (most recent call last)")
+    expect(traceback).to_contain_text("send_welcome_email")
+    assert number(page.get_by_test_id("dl-attempts")) == 3
+    expect(page.get_by_test_id("dl-classification")).to_contain_text("retries_exhausted")
+    expect(page.get_by_test_id("dl-trace-id")).to_contain_text(TRACE_ID)
+    expect(page.get_by_test_id("dl-args")).to_contain_text("7")
+    expect(page.get_by_test_id("replay-one")).to_be_enabled()
+    expect(page.get_by_test_id("discard-one")).to_be_enabled()
+
+
+def test_the_outbox_page_shows_the_backlog_per_queue_and_the_poison_rows_last_error(site, page):
+    seeded = site.seeded
+    page.goto(f"{site.full}/")
+    page.get_by_test_id("nav-outbox").click()
+    page.wait_for_url(re.compile(r"/outbox$"))
+    for queue, backlog in seeded.outbox_backlog.items():
+        row = page.locator(f'[data-testid="outbox-row"][data-queue="{queue}"]')
+        expect(row).to_have_count(1)
+        expect(row).to_contain_text(str(backlog))
+    poison = page.locator(f'[data-testid="outbox-poison-row"][data-id="{seeded.poison_id}"]')
+    expect(poison).to_have_count(1)
+    expect(page.get_by_test_id("outbox-poison-row")).to_have_count(1)
+    expect(poison.get_by_test_id("outbox-last-error")).to_contain_text("PRECONDITION_FAILED")
+    assert POISON_ERROR.split(" - ")[1][:30] in poison.get_by_test_id("outbox-last-error").inner_text()
+
+
+@pytest.mark.parametrize("where", ["full", "jobs"], ids=["alone", "mounted-at-jobs"])
+def test_every_nav_link_stays_under_the_mount_point(site, page, where):
+    base = getattr(site, where)
+    page.goto(f"{base}/dead-letters")
+    for name, path in (
+        ("outbox", "/outbox"),
+        ("schedules", "/schedules"),
+        ("dead-letters", "/dead-letters"),
+        ("overview", "/"),
+    ):
+        page.get_by_test_id(f"nav-{name}").click()
+        page.wait_for_url(f"{base}{path}")
+        expect(page.get_by_test_id("access-mode")).to_be_visible()
+
+
+def test_the_schedules_page_lists_each_schedule_with_its_state_and_next_run(site, page):
+    seeded = site.seeded
+    page.goto(f"{site.jobs}/schedules")
+    rows = page.get_by_test_id("schedule-row")
+    expect(rows).to_have_count(len(seeded.schedules))
+    for name in seeded.schedules:
+        row = page.locator(f'[data-testid="schedule-row"][data-schedule="{name}"]')
+        expect(row.get_by_test_id("schedule-state")).to_have_text(re.compile(r"^\s*active\s*$"))
+        expect(row.get_by_test_id("schedule-next-run")).to_contain_text(re.compile(r"\d"))
+        expect(row.get_by_test_id("schedule-last-run")).to_have_count(1)
