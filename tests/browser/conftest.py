@@ -18,11 +18,12 @@ Everything is torn down even when the test fails: servers stopped, schema droppe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -187,10 +188,21 @@ def site(
         def app(access: Callable[[Any], Any]) -> Any:
             return web.create_app(database, schema=web_schema, access=access, broker=broker)
 
+        def mounted_at_jobs(child: Any) -> Any:
+            """A parent app with ``child`` at /jobs, as a user's app mounts it.  Starlette does not
+            run a mounted app's lifespan, so the parent's runs it (closing its connections)."""
+
+            @contextlib.asynccontextmanager
+            async def lifespan(parent: Any) -> AsyncIterator[None]:
+                async with child.router.lifespan_context(child):
+                    yield
+
+            return Starlette(routes=[Mount("/jobs", app=child)], lifespan=lifespan)
+
         with (
             serve(app(full)) as alone,
-            serve(Starlette(routes=[Mount("/jobs", app=app(full))])) as mounted,
-            serve(Starlette(routes=[Mount("/jobs", app=app(read))])) as read_only,
+            serve(mounted_at_jobs(app(full))) as mounted,
+            serve(mounted_at_jobs(app(read))) as read_only,
         ):
             yield Site(
                 seeded=seeded,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
+from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from dramatiq.message import Message
 from webseed import POISON_ERROR, TRACE_ID
 from webtools import number, row_ids
 
@@ -18,9 +20,16 @@ from dramatiq_reliable import PostgresDeadLetterStore
 
 
 @pytest.mark.parametrize("where", ["full", "jobs"], ids=["alone", "mounted-at-jobs"])
-def test_the_overview_shows_the_seeded_numbers_per_queue_and_refreshes_in_place(site, page, where):
+def test_the_overview_shows_the_seeded_numbers_per_queue_and_refreshes_in_place(site, page, where, rabbitmq_url):
     base = getattr(site, where)
     seeded = site.seeded
+    # Two messages waiting in RabbitMQ, sent as a plain Dramatiq producer sends them.
+    producer = RabbitmqBroker(url=rabbitmq_url, middleware=[])
+    try:
+        for order in (1, 2):
+            producer.enqueue(Message(seeded.payments, "capture_payment", (order,), {}, {}))
+    finally:
+        producer.close()
     page.clock.install()  # htmx's "every 5s" runs on this clock: the test moves it on instead of waiting
     page.goto(f"{base}/")
     expect(page.get_by_test_id("access-mode")).to_contain_text("full")
@@ -29,6 +38,9 @@ def test_the_overview_shows_the_seeded_numbers_per_queue_and_refreshes_in_place(
         row = page.locator(f'[data-testid="queue-row"][data-queue="{queue}"]')
         expect(row).to_have_count(1)
         assert number(row.get_by_test_id("dead-letters")) == dead, queue
+    payments = page.locator(f'[data-testid="queue-row"][data-queue="{seeded.payments}"]')
+    assert number(payments.get_by_test_id("depth")) == 2
+    expect(payments.get_by_test_id("oldest-age")).to_have_count(1)
     for queue, backlog in seeded.outbox_backlog.items():
         row = page.locator(f'[data-testid="queue-row"][data-queue="{queue}"]')
         assert number(row.get_by_test_id("outbox-backlog")) == backlog, queue
@@ -39,7 +51,6 @@ def test_the_overview_shows_the_seeded_numbers_per_queue_and_refreshes_in_place(
     page.evaluate("window.notReloaded = true")
     store = PostgresDeadLetterStore(database=site.database, schema=seeded.schema)
     store.discard(ids=seeded.groups[seeded.fingerprint_of(seeded.payments)][1:2], by="browser-test")
-    payments = page.locator(f'[data-testid="queue-row"][data-queue="{seeded.payments}"]')
     with page.expect_response(lambda response: "/fragments/overview" in response.url):
         page.clock.fast_forward(6000)
     expect(payments.get_by_test_id("dead-letters")).to_have_text(re.compile(r"^\s*3\b"))
