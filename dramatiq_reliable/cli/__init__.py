@@ -1,4 +1,4 @@
-"""The ``dramatiq-reliable`` command: schema, relay, outbox, idempotency keys, dead letters, schedules, status.
+"""The ``dramatiq-reliable`` command: schema, relay, outbox, idempotency keys, dead letters, schedules, status, web.
 
 The only place that reads the environment: ``DATABASE_URL`` and ``RABBITMQ_URL`` give the
 defaults of ``--database-url`` and ``--rabbitmq-url``.  Command output goes to stdout; errors,
@@ -25,7 +25,7 @@ import psycopg
 
 from .._util import first_line, rabbitmq_reason, redact
 from ..errors import BrokerUnavailable, ConfigurationError, DatabaseUnavailable, ReliableError, SchemaNotReady
-from . import dead_letters, dev, idempotency, migrate, outbox, relay, scheduler, schedules, status
+from . import dead_letters, dev, idempotency, migrate, outbox, relay, scheduler, schedules, status, web
 from .common import EXIT_CODE_HELP, PROG, ExitCode, Parser, UsageError, common_parents, duration_ms, print_error
 
 __all__ = ["ExitCode", "build_parser", "common_parents", "duration_ms", "main"]
@@ -75,6 +75,7 @@ def build_parser() -> Parser:
     schedules.register(commands, [common])
     status.register(commands, [common, rabbit])
     scheduler.register(commands, [common])
+    web.register(commands, [common, rabbit])
     dev.register(commands, [])
     return parser
 

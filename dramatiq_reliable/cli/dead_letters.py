@@ -42,6 +42,8 @@ from ..dead_letters import (
     PostgresDeadLetterStore,
     import_xq,
 )
+from ..dead_letters.selection import Selection
+from ..errors import ConfigurationError
 from . import common, output
 from .common import (
     BIGINT_MAX,
@@ -364,10 +366,11 @@ def _replay(args: argparse.Namespace) -> int:
     target = _target(args, "replay")
     if target is None:
         return ExitCode.USAGE
-    ids, where = target
+    ids, where = target.ids or (), target.where
     with _store(args, replay_max_age_ms=args.max_age, replay_to=args.to) as store:
         if not ids:
-            total, too_old = store.replay_preview(where=where, force=args.force)
+            preview = target.preview(store, "replay", force=args.force)
+            total, too_old = preview.total, preview.too_old
             if total == 0:
                 return _nothing(args, "replay", where, {"replayed": 0, "too_old": 0, "problems": {}})
             question = f"replay {total:,} dead letter(s) ({where.describe()}) through the outbox"
@@ -408,10 +411,10 @@ def _discard(args: argparse.Namespace) -> int:
     target = _target(args, "discard")
     if target is None:
         return ExitCode.USAGE
-    ids, where = target
+    ids, where = target.ids or (), target.where
     with _store(args) as store:
         if not ids:
-            total = store.count(where=where)
+            total = target.preview(store, "discard").total
             if total == 0:
                 return _nothing(args, "discard", where, {"discarded": 0, "problems": {}})
             question = f"discard {total:,} dead letter(s) ({where.describe()})"
@@ -469,15 +472,15 @@ def _import_xq(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _target(args: argparse.Namespace, verb: str) -> tuple[list[int], DeadLetterFilter] | None:
-    where = _filter(args)
-    if not args.ids and where.is_empty and not args.all:
+def _target(args: argparse.Namespace, verb: str) -> Selection | None:
+    try:
+        return Selection.of(args.ids, _filter(args), everything=args.all)
+    except ConfigurationError:
         print_error(
             f"say which dead letters to {verb}: ids, a filter (--actor, --queue, --error-type, --fingerprint, "
             "--since, --until) or --all"
         )
         return None
-    return list(args.ids), where
 
 
 def _confirm(args: argparse.Namespace, question: str, what: str) -> bool:

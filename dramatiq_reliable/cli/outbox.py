@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from .. import _sql, schema
+from ..outbox.admin import outbox_stats, retry_failing
 from . import output
 from .common import Duration, ExitCode, connect, open_database
 
@@ -56,10 +56,8 @@ def register(
 
 def _stats(args: argparse.Namespace) -> int:
     with connect(args) as conn:
-        schema.ensure_ready(conn, schema=args.schema, required=schema.OUTBOX_VERSION, feature="outbox")
-        row = _sql.tuples(conn).execute(_sql.query("outbox_stats", args.schema)).fetchone()
-    assert row is not None
-    backlog, failing, oldest_s = int(row[0]), int(row[1]), round(float(row[2]), 3)
+        stats = outbox_stats(conn, schema_name=args.schema)
+    backlog, failing, oldest_s = stats.backlog, stats.failing, stats.oldest_age_s
     if args.json:
         output.print_json({"backlog": backlog, "failing": failing, "oldest_age_s": oldest_s})
         return ExitCode.OK
@@ -71,9 +69,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 def _retry(args: argparse.Namespace) -> int:
     with connect(args) as conn:
-        schema.ensure_ready(conn, schema=args.schema, required=schema.OUTBOX_VERSION, feature="outbox")
-        with conn.transaction():
-            reset = conn.execute(_sql.query("outbox_retry", args.schema)).rowcount
+        reset = retry_failing(conn, schema_name=args.schema)
     if args.json:
         output.print_json({"reset": reset})
     else:

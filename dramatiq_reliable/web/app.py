@@ -1,0 +1,295 @@
+"""The web app: its routes, the access gate in front of them, and the error pages.
+
+:func:`create_app` returns a Starlette app to mount in your own (``app.mount("/jobs", ...)``) or
+to run alone (``dramatiq-reliable web``); :func:`create_wsgi_app` wraps the same app for
+Django and Flask.  Every request passes the gate first: the access hook (or the loopback-only,
+read-only default) decides, forbidden requests get 403, and a POST must be same-site and come
+from a user with full access.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+import psycopg
+from psycopg_pool import PoolTimeout
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .. import _sql
+from .._util import check_ms, redact
+from ..dead_letters import DEFAULT_REPLAY_MAX_AGE_MS, PostgresDeadLetterStore
+from ..errors import ConfigurationError, SchemaNotReady
+from ..health import QueueDepths
+from . import actions, views
+from .access import Access, AccessHook, cross_site_problem, resolve
+from .pools import ReadPool, action_database
+from .rendering import render
+from .settings import Settings
+
+__all__ = ["create_app", "create_wsgi_app"]
+
+logger = logging.getLogger("dramatiq_reliable.web")
+
+_STATIC = Path(__file__).parent / "static"
+
+
+def create_app(
+    database: Any = None,
+    *,
+    schema: str | None = None,
+    access: AccessHook | None = None,
+    hide_args: bool = False,
+    statement_timeout_ms: int = 2000,
+    broker: Any = None,
+    target: Literal["outbox", "queue"] | None = None,
+    rabbitmq_url: str | None = None,
+    queues: Iterable[str] = (),
+    replay_max_age_ms: int | None = DEFAULT_REPLAY_MAX_AGE_MS,
+    page_size: int = 50,
+) -> Starlette:
+    """The web page for the person on call, as a Starlette (ASGI) app.
+
+    Parameters:
+      database: where the tables are: a URL, a ``psycopg_pool.ConnectionPool`` or a
+        :class:`~dramatiq_reliable.Database` (a broker's, say); optional with ``broker=``.
+      schema: the schema of the tables (default: the broker's, else ``dramatiq_reliable``).
+      access: the access hook, called with each request, returning an :class:`Access` (or
+        ``"full"``, ``"read"``, ``"forbidden"``).  ``None``: read-only, loopback clients only.
+      hide_args: show ``hidden`` instead of the messages' arguments (they may hold personal data).
+      statement_timeout_ms: the bound of every query a page runs; a page over it shows an error
+        panel.  Actions are not bounded by it (they run as the command line runs them).
+      broker: an ``OutboxBroker`` or ``PostgresBroker`` to take the database, schema, target and
+        RabbitMQ connection from.
+      target: where replays and manual schedule runs go: ``"outbox"`` (``OutboxBroker``: the relay
+        publishes them) or ``"queue"`` (``PostgresBroker``'s queue table).  Default: from
+        ``broker``, else ``"outbox"``.
+      rabbitmq_url: read queue depths from this RabbitMQ (default: the ``OutboxBroker``'s, if
+        given; none otherwise, and the depths show ``-``).
+      queues: queues the overview always lists, besides those found in the tables.
+      replay_max_age_ms: replays of jobs first sent longer ago are refused unless forced, as
+        ``dead-letters replay --max-age`` (default 7 days); ``None`` never refuses.
+      page_size: rows per page of the dead-letter list.
+
+    >>> from starlette.applications import Starlette                                 # doctest: +SKIP
+    >>> app = Starlette()                                                            # doctest: +SKIP
+    >>> app.mount("/jobs", create_app("postgresql://app@localhost/app"))             # doctest: +SKIP
+    """
+    from ..outbox.broker import OutboxBroker
+    from ..postgres.broker import PostgresBroker
+
+    if broker is not None and not isinstance(broker, (OutboxBroker, PostgresBroker)):
+        raise ConfigurationError(
+            f"broker= must be an OutboxBroker or a PostgresBroker, got {type(broker).__name__!r}; "
+            "or pass database= and target= instead"
+        )
+    if database is None:
+        if broker is None:
+            raise ConfigurationError(
+                "create_app() needs database= (a Postgres URL, a pool or a Database) or broker=; "
+                "for example create_app('postgresql://app@localhost/app')"
+            )
+        database = broker.database
+    if schema is None:
+        schema = broker.schema if broker is not None else _sql.DEFAULT_SCHEMA
+    _sql.validate_schema(schema)
+    if target is None:
+        target = "queue" if isinstance(broker, PostgresBroker) else "outbox"
+    if target not in ("outbox", "queue"):
+        raise ConfigurationError(f"target must be 'outbox' (OutboxBroker) or 'queue' (PostgresBroker), got {target!r}")
+    check_ms("statement_timeout_ms", statement_timeout_ms, minimum=1, fix="e.g. statement_timeout_ms=2000")
+    check_ms("replay_max_age_ms", replay_max_age_ms, allow_none=True, fix="e.g. 7 days = 604800000, or None")
+    if not isinstance(hide_args, bool):
+        raise ConfigurationError(f"hide_args must be a bool, got {hide_args!r}")
+    if access is not None and not callable(access):
+        raise ConfigurationError(
+            f"access= must be a callable of the request returning an Access, got {type(access).__name__!r}"
+        )
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 1000:
+        raise ConfigurationError(f"page_size must be an int from 1 to 1000, got {page_size!r}")
+    queue_list = [str(name) for name in queues]
+
+    rabbitmq: QueueDepths | None = None
+    if rabbitmq_url is not None:
+        rabbitmq = QueueDepths(rabbitmq_url=rabbitmq_url, timeout_ms=statement_timeout_ms)
+    elif isinstance(broker, OutboxBroker):
+        rabbitmq = QueueDepths(parameters=broker.parameters)
+
+    acting = action_database(database)
+    settings = Settings(
+        schema=schema,
+        reads=ReadPool(database, statement_timeout_ms=statement_timeout_ms),
+        actions=PostgresDeadLetterStore(
+            database=acting, schema=schema, replay_to=target, replay_max_age_ms=replay_max_age_ms
+        ),
+        access=access,
+        hide_args=hide_args,
+        target=target,
+        replay_max_age_ms=replay_max_age_ms,
+        rabbitmq=rabbitmq,
+        queues=queue_list,
+        page_size=page_size,
+        owned=[acting] if acting.owned else [],
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            settings.close()
+
+    app = Starlette(
+        routes=_routes(),
+        middleware=[Middleware(_Gate, settings=settings)],
+        lifespan=lifespan,
+        exception_handlers={
+            psycopg.errors.QueryCanceled: _timed_out,
+            psycopg.OperationalError: _unreachable,
+            PoolTimeout: _unreachable,
+            SchemaNotReady: _schema_not_ready,
+        },
+    )
+    app.state.settings = settings
+    return app
+
+
+def create_wsgi_app(database: Any = None, **options: Any) -> Any:
+    """:func:`create_app` as a WSGI app (through ``a2wsgi``), for Django and Flask.
+
+    Takes the same arguments.  Mount it under a path with your framework's means (Werkzeug's
+    ``DispatcherMiddleware``, a Django URL to a WSGI view); links follow ``SCRIPT_NAME``.  The
+    Starlette app is its ``.app``; its connections close when the process exits (WSGI has no
+    shutdown hook), or call ``.app.state.settings.close()``.
+    """
+    from a2wsgi import ASGIMiddleware
+
+    return _WsgiClient(ASGIMiddleware(create_app(database, **options)))  # type: ignore[arg-type]
+
+
+class _WsgiClient:
+    """Passes the client address through even from servers that set no ``REMOTE_PORT``.
+
+    a2wsgi gives the ASGI app a client only with both ``REMOTE_ADDR`` and ``REMOTE_PORT``;
+    ``wsgiref`` (Django's ``runserver``) sets only the first, and without a client the
+    loopback-only default would refuse every request.
+    """
+
+    def __init__(self, wsgi: Any) -> None:
+        self.wsgi = wsgi
+        self.app = wsgi.app
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        if environ.get("REMOTE_ADDR") and not environ.get("REMOTE_PORT"):
+            environ = {**environ, "REMOTE_PORT": "0"}
+        return self.wsgi(environ, start_response)
+
+
+def _routes() -> list[Route | Mount]:
+    return [
+        Route("/", views.overview, name="overview"),
+        Route("/fragments/overview", views.overview_fragment, name="overview_fragment"),
+        Route("/dead-letters", views.dead_letter_groups, name="dead_letters"),
+        Route("/dead-letters/list", views.dead_letter_list, name="dead_letter_list"),
+        Route("/dead-letters/replay", actions.replay, methods=["POST"], name="replay"),
+        Route("/dead-letters/discard", actions.discard, methods=["POST"], name="discard"),
+        Route("/dead-letters/{id:int}", views.dead_letter, name="dead_letter"),
+        Route("/outbox", views.outbox, name="outbox"),
+        Route("/outbox/retry", actions.outbox_retry, methods=["POST"], name="outbox_retry"),
+        Route("/schedules", views.schedules, name="schedules"),
+        Route("/schedules/{name:str}/{verb:str}", actions.schedule_action, methods=["POST"], name="schedule_action"),
+        Mount("/static", app=StaticFiles(directory=_STATIC), name="static"),
+    ]
+
+
+class _Gate:
+    """Decides access before any route runs; refuses forbidden requests and unsafe POSTs with 403."""
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        decision = await resolve(request, self.settings.access)
+        request.state.access = decision
+        response = self._refusal(request, decision)
+        if response is not None:
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, request: Request, decision: Access) -> Response | None:
+        if decision.level == "forbidden":
+            if self.settings.access is None:
+                why = (
+                    "with no access hook the page answers loopback clients only; pass access= to create_app "
+                    "(--access to 'dramatiq-reliable web') to let others in"
+                )
+            else:
+                why = "the access hook refused this request"
+            return PlainTextResponse(f"forbidden: {why}", status_code=403)
+        if request.method not in ("GET", "HEAD"):
+            problem = cross_site_problem(request)
+            if problem is not None:
+                logger.warning("refused %s %s: %s", request.method, request.url.path, problem)
+                return PlainTextResponse(problem, status_code=403)
+            if not decision.can_act:
+                return PlainTextResponse(
+                    "read-only access: this request would change something; ask for full access "
+                    "(the access hook decides)",
+                    status_code=403,
+                )
+        return None
+
+
+def _timed_out(request: Request, exc: Exception) -> Response:
+    timeout = request.app.state.settings.reads.statement_timeout_ms
+    return render(
+        request,
+        "error.html",
+        {
+            "page": "",
+            "title": "The database did not answer in time",
+            "error": f"a query ran longer than the page's statement timeout ({timeout} ms) and was cancelled: "
+            "a table may be locked, or Postgres overloaded. Reload to try again; raise statement_timeout_ms "
+            "(--statement-timeout) if the tables are simply large.",
+            "testid": "timeout",
+        },
+        status_code=503,
+    )
+
+
+def _unreachable(request: Request, exc: Exception) -> Response:
+    return render(
+        request,
+        "error.html",
+        {
+            "page": "",
+            "title": "Postgres cannot be reached",
+            "error": f"cannot reach Postgres: {redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)}",
+            "testid": "unreachable",
+        },
+        status_code=503,
+    )
+
+
+def _schema_not_ready(request: Request, exc: Exception) -> Response:
+    return render(
+        request,
+        "error.html",
+        {"page": "", "title": "The tables are not ready", "error": str(exc), "testid": "schema"},
+        status_code=503,
+    )
