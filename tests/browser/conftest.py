@@ -5,25 +5,26 @@ Chromium is the system package (``/usr/bin/chromium``, or ``$CHROMIUM``): Playwr
 browser builds cannot be downloaded here, so ``playwright install`` is never run.  Without it the
 tests skip on a laptop and fail with ``CI=true``, naming the command that installs it.
 
-Each test gets a fresh ``webb_`` schema, seeded by :mod:`webseed`, and three servers on it:
+Each test gets a fresh ``webb_`` schema, seeded by :mod:`webseed`, shown by three apps (on
+three uvicorn servers that start once a session):
 
 * ``site.full``: the app run alone (mounted at ``/``), whose access hook answers ``full`` for
   the user ``alice``;
 * ``site.jobs``: the same app mounted at ``/jobs`` inside a parent Starlette app, full access;
 * ``site.read``: the app mounted at ``/jobs`` with an access hook answering ``read``.
 
-Everything is torn down even when the test fails: servers stopped, schema dropped, queues deleted
-(the queue names derive from ``queue_name``, so the suite's janitor deletes them).
+Everything is torn down even when the test fails: the apps' connections closed, the schema
+dropped, the queues deleted (their names derive from ``queue_name``, so the suite's janitor
+deletes them), the servers stopped at the end of the session.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shutil
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,38 @@ def queue_base(queue_name: str) -> str:
     return queue_name
 
 
+class Switch:
+    """An ASGI app passing each request to the app the current test set: the servers start once
+    a session, the apps (and the schema they show) are each test's own."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        app = self.app
+        if app is None:
+            from starlette.responses import PlainTextResponse
+
+            app = PlainTextResponse("no test is using this server", status_code=503)
+        await app(scope, receive, send)
+
+
+@dataclasses.dataclass
+class Servers:
+    alone: Switch
+    mounted: Switch
+    read_only: Switch
+    urls: tuple[str, str, str]
+
+
+@pytest.fixture(scope="session")
+def servers() -> Iterator[Servers]:
+    """Three uvicorn servers in threads on free loopback ports, for the session."""
+    switches = (Switch(), Switch(), Switch())
+    with serve(switches[0]) as alone, serve(switches[1]) as mounted, serve(switches[2]) as read_only:
+        yield Servers(*switches, urls=(alone, mounted, read_only))
+
+
 @pytest.fixture
 def site(
     database_url: str,
@@ -164,6 +197,7 @@ def site(
     queue_base: str,
     queues: QueueJanitor,
     db: psycopg.Connection[Any],
+    servers: Servers,
 ) -> Iterator[Site]:
     """The seeded schema served three ways: alone with full access, mounted at /jobs with full
     access, and mounted at /jobs read-only."""
@@ -172,8 +206,9 @@ def site(
     from starlette.routing import Mount
 
     broker = OutboxBroker(url=rabbitmq_url, database=database_url, schema=web_schema, pool_max_size=2)
-    # The app's own pool, shared by its three mounts: a handful of connections in all.
+    # The apps' action pool, shared by the three (each also opens a small read pool of its own).
     database = Database(url=database_url, max_size=3)
+    apps: list[Any] = []
     try:
         seeded = seed(broker, db, schema=web_schema, base=queue_base)
         for name in seeded.queues:
@@ -186,33 +221,27 @@ def site(
             return "read"
 
         def app(access: Callable[[Any], Any]) -> Any:
-            return web.create_app(database, schema=web_schema, access=access, broker=broker)
+            apps.append(web.create_app(database, schema=web_schema, access=access, broker=broker))
+            return apps[-1]
 
-        def mounted_at_jobs(child: Any) -> Any:
-            """A parent app with ``child`` at /jobs, as a user's app mounts it.  Starlette does not
-            run a mounted app's lifespan, so the parent's runs it (closing its connections)."""
-
-            @contextlib.asynccontextmanager
-            async def lifespan(parent: Any) -> AsyncIterator[None]:
-                async with child.router.lifespan_context(child):
-                    yield
-
-            return Starlette(routes=[Mount("/jobs", app=child)], lifespan=lifespan)
-
-        with (
-            serve(app(full)) as alone,
-            serve(mounted_at_jobs(app(full))) as mounted,
-            serve(mounted_at_jobs(app(read))) as read_only,
-        ):
-            yield Site(
-                seeded=seeded,
-                full=alone,
-                jobs=f"{mounted}/jobs",
-                read=f"{read_only}/jobs",
-                database_url=database_url,
-                database=database,
-                broker=broker,
-            )
+        servers.alone.app = app(full)
+        # Mounted as a user's app mounts it.  Starlette runs no lifespan of a mounted app (nor does
+        # the switch run the alone app's): the teardown closes each app's connections instead.
+        servers.mounted.app = Starlette(routes=[Mount("/jobs", app=app(full))])
+        servers.read_only.app = Starlette(routes=[Mount("/jobs", app=app(read))])
+        alone, mounted, read_only = servers.urls
+        yield Site(
+            seeded=seeded,
+            full=alone,
+            jobs=f"{mounted}/jobs",
+            read=f"{read_only}/jobs",
+            database_url=database_url,
+            database=database,
+            broker=broker,
+        )
     finally:
+        servers.alone.app = servers.mounted.app = servers.read_only.app = None
+        for each in apps:
+            each.state.settings.close()
         database.close()
         broker.close()

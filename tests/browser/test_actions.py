@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from support import Rabbit, running
+from webseed import POISON_ERROR
 from webtools import number, row_ids, serve_static, states
 
 try:
@@ -104,8 +105,15 @@ def test_a_forced_replay_sends_the_too_old_letter_as_well(site, page, db, rabbit
     assert [body["message_id"] for body in bodies if body["actor_name"] == "charge_card"] == [message_id]
 
 
-def test_discarding_a_selection_touches_only_the_ticked_rows(site, page, db):
+def test_discarding_a_selection_touches_only_the_ticked_rows_and_cancel_touches_none(site, page, db):
     seeded = site.seeded
+    page.goto(f"{site.full}/dead-letters")
+    _group(page, seeded.fingerprint_of(seeded.emails)).get_by_test_id("discard-group").click()
+    assert number(page.get_by_test_id("confirm-count")) == 2
+    page.get_by_test_id("cancel").click()
+    page.wait_for_url(re.compile(r"/dead-letters"))
+    assert set(states(db, seeded.schema).values()) == {"dead"}
+
     page.goto(f"{site.full}/dead-letters/list?queue={seeded.payments}")
     expect(page.get_by_test_id("dl-row")).to_have_count(4)
     ticked = row_ids(page)[:2]
@@ -121,16 +129,6 @@ def test_discarding_a_selection_touches_only_the_ticked_rows(site, page, db):
     assert not set(row_ids(page)) & set(ticked)
     now = states(db, seeded.schema)
     assert sorted(i for i, state in now.items() if state == "discarded") == sorted(ticked)
-
-
-def test_cancel_on_the_confirmation_changes_nothing(site, page, db):
-    seeded = site.seeded
-    page.goto(f"{site.full}/dead-letters")
-    _group(page, seeded.fingerprint_of(seeded.emails)).get_by_test_id("discard-group").click()
-    assert number(page.get_by_test_id("confirm-count")) == 2
-    page.get_by_test_id("cancel").click()
-    page.wait_for_url(re.compile(r"/dead-letters"))
-    assert set(states(db, seeded.schema).values()) == {"dead"}
 
 
 def test_a_read_only_user_sees_every_action_disabled_and_a_forced_post_gets_403(site, page, db):
@@ -202,9 +200,17 @@ def _schedule(db: psycopg.Connection[Any], schema: str, name: str) -> tuple[bool
     return bool(paused[0]), int(ticks[0])
 
 
-def test_schedules_pause_resume_and_trigger_from_their_buttons(site, page, db, rabbit):
+def test_schedules_show_their_state_and_next_run_and_pause_resume_and_trigger_from_their_buttons(
+    site, page, db, rabbit
+):
     seeded = site.seeded
     page.goto(f"{site.jobs}/schedules")
+    expect(page.get_by_test_id("schedule-row")).to_have_count(len(seeded.schedules))
+    for name in seeded.schedules:
+        listed = page.locator(f'[data-testid="schedule-row"][data-schedule="{name}"]')
+        expect(listed.get_by_test_id("schedule-state")).to_have_text(re.compile(r"^\s*active\s*$"))
+        expect(listed.get_by_test_id("schedule-next-run")).to_contain_text(re.compile(r"\d"))
+        expect(listed.get_by_test_id("schedule-last-run")).to_have_text(re.compile(r"^\s*never\s*$"))
 
     def row() -> Any:
         return page.locator('[data-testid="schedule-row"][data-schedule="refresh-rates"]')
@@ -231,9 +237,17 @@ def test_schedules_pause_resume_and_trigger_from_their_buttons(site, page, db, r
     assert [body["actor_name"] for body in bodies] == ["build_report"]
 
 
-def test_outbox_retry_gives_the_poison_row_a_fresh_start(site, page, db):
+def test_the_outbox_shows_the_backlog_and_the_poison_rows_last_error_and_retry_gives_it_a_fresh_start(site, page, db):
     seeded = site.seeded
     page.goto(f"{site.full}/outbox")
+    for queue, backlog in seeded.outbox_backlog.items():
+        row = page.locator(f'[data-testid="outbox-row"][data-queue="{queue}"]')
+        expect(row).to_have_count(1)
+        expect(row).to_contain_text(str(backlog))
+    expect(page.get_by_test_id("outbox-poison-row")).to_have_count(1)
+    poison = page.locator(f'[data-testid="outbox-poison-row"][data-id="{seeded.poison_id}"]')
+    expect(poison.get_by_test_id("outbox-last-error")).to_have_text(POISON_ERROR)
+
     page.get_by_test_id("outbox-retry").click()
     expect(page.get_by_test_id("flash")).to_have_count(1)
     expect(page.get_by_test_id("flash")).to_contain_text("1")

@@ -72,6 +72,14 @@ def load_template(name):
 
 def build_report(day):
     raise TimeoutError(f"warehouse query for {day} took longer than 30 s")
+
+
+def run(actor, arg):
+    try:
+        actor(arg)
+    except Exception as error:
+        return error
+    raise AssertionError(f"{actor.__name__} was meant to fail")
 """
 linecache.cache[APP_FILE] = (len(APP_SOURCE), None, APP_SOURCE.splitlines(keepends=True), APP_FILE)
 shop_tasks = types.ModuleType("shop.tasks")
@@ -130,7 +138,7 @@ class _Writer:
         *,
         queue: str,
         actor: str,
-        raise_: Any,
+        fails: Any,
         arg: Any,
         sent_mins_ago: int,
         failed_mins_ago: int,
@@ -146,14 +154,13 @@ class _Writer:
             message_timestamp=int((time.time() - sent_mins_ago * 60) * 1000),
         )
         proxy = MessageProxy(message)
-        try:
-            raise_(arg)
-        except Exception as error:
-            # The decision ClassifiedRetries stores on the message before it lets the job die.
-            decision = classify(error)
-            outcome = "exhausted" if decision.retry else "fail"
-            proxy.options["retry_decision"] = decision_record(decision, outcome, attempts, 4)
-            proxy.stuff_exception(error)
+        # Raised and caught inside the app module, so the traceback holds its frames only.
+        error = shop_tasks.run(fails, arg)
+        # The decision ClassifiedRetries stores on the message before it lets the job die.
+        decision = classify(error)
+        outcome = "exhausted" if decision.retry else "fail"
+        proxy.options["retry_decision"] = decision_record(decision, outcome, attempts, 4)
+        proxy.stuff_exception(error)
         proxy.fail()
         # What the middleware's before-hook records on a real delivery: the actor ran, after
         # attempts - 1 retries.
@@ -183,7 +190,7 @@ def seed(broker: OutboxBroker, db: psycopg.Connection[Any], *, schema: str, base
         writer.capture(
             queue=payments,
             actor="charge_card",
-            raise_=shop_tasks.charge_card,
+            fails=shop_tasks.charge_card,
             arg=1000 + n,
             sent_mins_ago=sent,
             failed_mins_ago=failed,
@@ -196,7 +203,7 @@ def seed(broker: OutboxBroker, db: psycopg.Connection[Any], *, schema: str, base
         writer.capture(
             queue=emails,
             actor="send_welcome_email",
-            raise_=shop_tasks.send_welcome_email,
+            fails=shop_tasks.send_welcome_email,
             arg=user,
             sent_mins_ago=failed + 10,
             failed_mins_ago=failed,
@@ -209,7 +216,7 @@ def seed(broker: OutboxBroker, db: psycopg.Connection[Any], *, schema: str, base
     writer.capture(
         queue=reports,
         actor="build_report",
-        raise_=shop_tasks.build_report,
+        fails=shop_tasks.build_report,
         arg="2026-12-01",
         sent_mins_ago=200,
         failed_mins_ago=47,

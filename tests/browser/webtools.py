@@ -44,12 +44,14 @@ def _free_socket() -> socket.socket:
 
 @contextlib.contextmanager
 def serve(app: Any) -> Iterator[str]:
-    """Serve the ASGI ``app`` with uvicorn in a thread on a free loopback port; yield its base URL."""
+    """Serve the ASGI ``app`` with uvicorn in a thread on a free loopback port; yield its base URL.
+
+    No lifespan: the app served is a :class:`~conftest.Switch`, and each test closes its apps."""
     import uvicorn
 
     sock = _free_socket()
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="auto", ws="none", http="h11", access_log=False)
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", ws="none", http="h11", access_log=False)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"uvicorn-{port}")
     thread.start()
