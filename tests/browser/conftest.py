@@ -191,6 +191,7 @@ def servers() -> Iterator[Servers]:
 
 @pytest.fixture
 def site(
+    browser: Any,
     database_url: str,
     rabbitmq_url: str,
     web_schema: str,
@@ -200,7 +201,7 @@ def site(
     servers: Servers,
 ) -> Iterator[Site]:
     """The seeded schema served three ways: alone with full access, mounted at /jobs with full
-    access, and mounted at /jobs read-only."""
+    access, and mounted at /jobs read-only.  (``browser`` first: without Chromium nothing is seeded.)"""
     web = _web()
     from starlette.applications import Starlette
     from starlette.routing import Mount
