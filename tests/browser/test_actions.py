@@ -63,10 +63,12 @@ def test_replaying_a_group_confirms_the_counts_then_the_rows_leave_and_the_messa
     assert number(page.get_by_test_id("confirm-too-old")) == len(seeded.too_old) == 1
     expect(page.get_by_test_id("confirm-force")).to_be_visible()
     assert set(states(db, seeded.schema).values()) == {"dead"}
-    page.get_by_test_id("confirm").click()
+    with page.expect_response(lambda r: r.request.method == "POST") as posted:
+        page.get_by_test_id("confirm").click()
 
-    # Redirected to the list, with a flash naming what was done; the replayed rows left it.
-    page.wait_for_url(re.compile(r"/dead-letters"))
+    # Redirected (303) to the list, with a flash naming what was done; the replayed rows left it.
+    assert posted.value.status == 303
+    page.wait_for_url(re.compile(r"/dead-letters/list"))
     expect(_flash(page, "replayed")).to_contain_text("3")
     _flash(page, re.compile(r"\b1\b.*(too old|ago|refused)", re.IGNORECASE))
     page.goto(f"{site.full}/dead-letters/list?fingerprint={fingerprint}")

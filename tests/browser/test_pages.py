@@ -17,11 +17,12 @@ except ImportError:  # the browser fixture skips (or fails in CI) naming the ins
     expect = None
 
 from dramatiq_reliable import PostgresDeadLetterStore
+from dramatiq_reliable.testing import wait_for
 
 
 @pytest.mark.parametrize("where", ["full", "jobs"], ids=["alone", "mounted-at-jobs"])
 def test_the_overview_shows_the_seeded_numbers_refreshes_in_place_and_links_under_its_mount_point(
-    site, page, where, rabbitmq_url
+    site, page, where, rabbitmq_url, rabbit
 ):
     base = getattr(site, where)
     seeded = site.seeded
@@ -32,6 +33,7 @@ def test_the_overview_shows_the_seeded_numbers_refreshes_in_place_and_links_unde
             producer.enqueue(Message(seeded.payments, "capture_payment", (order,), {}, {}))
     finally:
         producer.close()
+    wait_for(lambda: rabbit.count(seeded.payments) == 2, message="the two messages did not reach RabbitMQ")
     page.clock.install()  # htmx's "every 5s" runs on this clock: the test moves it on instead of waiting
     page.goto(f"{base}/")
     expect(page.get_by_test_id("access-mode")).to_contain_text("full")
