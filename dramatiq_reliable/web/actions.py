@@ -100,8 +100,9 @@ def _selection(form: FormData) -> Selection:
         ids.append(int(value))
     if len(ids) > _MAX_IDS:
         raise ConfigurationError(f"{len(ids)} ids in one request; select at most {_MAX_IDS}, or use a filter")
+    where = parse_filter(form)
     try:
-        return Selection.of(ids, parse_filter(form))
+        return Selection.of(ids, where)
     except ConfigurationError:
         raise ConfigurationError(
             "select at least one dead letter (tick its box), or act on a group or a filter"
@@ -118,8 +119,8 @@ def _refuse(request: Request, error: Exception, page: str) -> Response:
     return render(request, "error.html", {"page": page, "title": "Nothing done", "error": str(error)}, status_code=400)
 
 
-def _age(ms: int | None) -> str:
-    return format_age((ms or 0) / 1000)
+def _age(ms: int | None) -> str | None:
+    return None if ms is None else format_age(ms / 1000)
 
 
 # -- dead letters --------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import psycopg
+from dramatiq.common import q_name
 from psycopg_pool import PoolTimeout
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -29,7 +30,7 @@ from .. import _sql
 from .._util import check_ms, redact
 from ..dead_letters import DEFAULT_REPLAY_MAX_AGE_MS, PostgresDeadLetterStore
 from ..errors import ConfigurationError, SchemaNotReady
-from ..health import QueueDepths
+from ..health import QueueDepths, _is_queue_name
 from . import actions, views
 from .access import Access, AccessHook, cross_site_problem, resolve
 from .pools import ReadPool, action_database
@@ -56,6 +57,7 @@ def create_app(
     queues: Iterable[str] = (),
     replay_max_age_ms: int | None = DEFAULT_REPLAY_MAX_AGE_MS,
     page_size: int = 50,
+    scan_interval_ms: int = 60_000,
 ) -> Starlette:
     """The web page for the person on call, as a Starlette (ASGI) app.
 
@@ -79,6 +81,9 @@ def create_app(
       replay_max_age_ms: replays of jobs first sent longer ago are refused unless forced, as
         ``dead-letters replay --max-age`` (default 7 days); ``None`` never refuses.
       page_size: rows per page of the dead-letter list.
+      scan_interval_ms: how often the overview runs ``status``'s two full scans of the outbox
+        (the queues it ever saw, the retries not yet due); in between it reads the backlog
+        through the outbox's partial index and shows the retries counted by the last scan.
 
     >>> from starlette.applications import Starlette                                 # doctest: +SKIP
     >>> app = Starlette()                                                            # doctest: +SKIP
@@ -117,6 +122,12 @@ def create_app(
     if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 1000:
         raise ConfigurationError(f"page_size must be an int from 1 to 1000, got {page_size!r}")
     queue_list = [str(name) for name in queues]
+    for name in queue_list:
+        if not _is_queue_name(q_name(name)):
+            raise ConfigurationError(
+                f"queues= holds {name[:60]!r}, which cannot be a queue name; give Dramatiq queue names"
+            )
+    check_ms("scan_interval_ms", scan_interval_ms, minimum=0, fix="e.g. scan_interval_ms=60000; 0 scans every time")
 
     rabbitmq: QueueDepths | None = None
     if rabbitmq_url is not None:
@@ -138,6 +149,7 @@ def create_app(
         rabbitmq=rabbitmq,
         queues=queue_list,
         page_size=page_size,
+        scan_interval_ms=scan_interval_ms,
         owned=[acting] if acting.owned else [],
     )
 

@@ -56,7 +56,9 @@ class ReadPool:
             max_size=max_size,
             open=False,
             name="dramatiq-reliable-web",
-            timeout=10.0,
+            # As long as a connect may take (libpq's connect_timeout default here): a page with
+            # Postgres down says so within seconds.
+            timeout=5.0,
         )
         self._database = Database(pool=self._pool)
         self._lock = threading.Lock()

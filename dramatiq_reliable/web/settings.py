@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from ..dead_letters import PostgresDeadLetterStore
@@ -35,8 +37,39 @@ class Settings:
     rabbitmq: QueueDepths | None
     queues: Sequence[str]
     page_size: int
+    scan_interval_ms: int = 60_000
     owned: list[Any] = dataclasses.field(default_factory=list)
     _read_store: PostgresDeadLetterStore | None = None
+    _scan_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    _scanned_at: float = float("-inf")
+    _scanned_queues: tuple[str, ...] = ()
+    _retries_waiting: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def scan_due(self) -> bool:
+        """Whether the overview should run the full scans now (and claim them, so that concurrent
+        refreshes do not all run them): at most once per ``scan_interval_ms``."""
+        with self._scan_lock:
+            now = time.monotonic()
+            if now - self._scanned_at < self.scan_interval_ms / 1000:
+                return False
+            self._scanned_at = now
+            return True
+
+    def remember_scan(self, queues: Sequence[str], retries_waiting: Mapping[str, int]) -> None:
+        """Keep what the full scans found, for the refreshes until the next one."""
+        with self._scan_lock:
+            self._scanned_queues = tuple(queues)
+            self._retries_waiting = dict(retries_waiting)
+
+    def forget_scan(self) -> None:
+        """A full scan failed: try again on the next refresh."""
+        with self._scan_lock:
+            self._scanned_at = float("-inf")
+
+    def last_scan(self) -> tuple[float, tuple[str, ...], Mapping[str, int]]:
+        """When the full scans last ran (monotonic seconds), the queues and the retries waiting they found."""
+        with self._scan_lock:
+            return self._scanned_at, self._scanned_queues, self._retries_waiting
 
     def read_store(self) -> PostgresDeadLetterStore:
         """The dead-letter store on the bounded read pool (made once: it remembers the schema check)."""

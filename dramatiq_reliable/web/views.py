@@ -10,8 +10,10 @@ pool, so the blocking psycopg calls never stall the event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,16 +67,34 @@ def overview_fragment(request: Request) -> Response:
 
 
 def _health(request: Request) -> dict[str, Any]:
+    """The overview's reading: ``collect_health`` as ``status`` calls it, with its two full scans
+    (every queue the outbox ever saw, the retries not yet due) run at most once per
+    ``scan_interval_ms`` and remembered in between, so a page refreshing every 5 s in several
+    tabs costs the partial-index backlog query, not a scan of the whole outbox, each time."""
     settings = settings_of(request)
+    scan = settings.scan_due()
+    _, known, retries = settings.last_scan()
     health = collect_health(
         database=settings.reads.get(),
         schema=settings.schema,
         rabbitmq=settings.rabbitmq,
-        queues=settings.queues,
-        discover_queues=True,
-        retries_waiting=True,
+        queues=[*settings.queues, *known],
+        discover_queues=scan,
+        retries_waiting=scan,
         statement_timeout_ms=settings.reads.statement_timeout_ms,
     )
+    if scan and health.postgres_error is None:
+        found = {item.queue: item.retries_waiting or 0 for item in health.queues}
+        settings.remember_scan(list(found), found)
+    elif scan:
+        settings.forget_scan()
+    else:
+        # Between scans: the remembered count for the queues it covered, "-" for a queue new since.
+        health = dataclasses.replace(
+            health,
+            queues=tuple(dataclasses.replace(item, retries_waiting=retries.get(item.queue)) for item in health.queues),
+        )
+    scanned_at, _, _ = settings.last_scan()
     problems = [problem for problem in (health.postgres_error, health.rabbitmq_error) if problem]
     if health.dead_letters_table is False:
         problems.append(
@@ -85,6 +105,7 @@ def _health(request: Request) -> dict[str, Any]:
         "totals": health.totals(),
         "problems": problems,
         "outbox_age_problem_s": OUTBOX_AGE_PROBLEM_S,
+        "scanned_ago_s": max(0.0, time.monotonic() - scanned_at) if scanned_at > float("-inf") else None,
     }
 
 

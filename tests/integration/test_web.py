@@ -26,7 +26,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
 
-from dramatiq_reliable import OutboxBroker, PostgresDeadLetterStore, events
+from dramatiq_reliable import OutboxBroker, PostgresBroker, PostgresDeadLetterStore, events
 from dramatiq_reliable.dead_letters import DeadLetter, DeadLetters
 from dramatiq_reliable.health import collect_health
 from dramatiq_reliable.scheduler import Registry, Scheduler
@@ -57,7 +57,7 @@ def broker(rabbitmq_url: str, database_url: str, db_schema: str) -> Iterator[Out
 
 
 def capture(
-    broker: OutboxBroker,
+    broker: OutboxBroker | PostgresBroker,
     *,
     actor_name: str = "send_email",
     queue_name: str = "web_mail",
@@ -281,6 +281,15 @@ def test_replaying_a_group_confirms_the_count_refuses_too_old_rows_then_replays(
     assert forced.status_code == 200 and states(db, db_schema)[old.id] == "replayed"
 
 
+def test_without_an_age_limit_nothing_is_refused_as_too_old(broker, client_for, db, db_schema):
+    old = capture(broker, sent_days_ago=30)
+    client = client_for(access=full, replay_max_age_ms=None)
+    confirm = client.post("/dead-letters/replay", data={"id": str(old.id)})
+    assert cell(confirm.text, "confirm-too-old") == "0" and "no replay age limit" in confirm.text
+    client.post("/dead-letters/replay", data={"id": str(old.id), "confirm": "1"})
+    assert states(db, db_schema) == {old.id: "replayed"}
+
+
 def test_replaying_and_discarding_a_selection_and_one_letter(broker, client_for, db, db_schema, seen):
     rows = [capture(broker) for _ in range(4)]
     client = client_for(access=full)
@@ -484,3 +493,43 @@ def test_events_go_to_listeners(client_for, db, db_schema):
         events.unsubscribe(received.append)
     action = next(event for event in received if isinstance(event, WebAction))
     assert (action.action, action.who, action.done) == ("outbox.retry", "web:ann", 1)
+
+
+def test_with_a_postgres_broker_replays_and_manual_runs_go_to_its_queue_table(
+    database_url, db_schema, client_for, db, stored_schedules
+):
+    postgres_broker = PostgresBroker(database=database_url, schema=db_schema)
+    try:
+        item = capture(postgres_broker, queue_name="web_pg")
+        client = client_for(create_app(broker=postgres_broker, access=full))
+        done = client.post("/dead-letters/replay", data={"id": str(item.id), "confirm": "1"})
+        assert "replayed 1 dead letter(s) to their Postgres queues" in cell(done.text, "flash")
+        client.post("/schedules/web-often/trigger")
+        queued = db.execute(
+            sql.SQL("SELECT queue_name FROM {}.queue ORDER BY id").format(sql.Identifier(db_schema))
+        ).fetchall()
+        assert queued == [("web_pg",), ("web_q",)]
+        assert outbox_rows(db, db_schema) == 0
+        assert cell(client.get("/").text, "depth", within='data-queue="web_pg"') == "1"
+    finally:
+        postgres_broker.close()
+
+
+def test_the_overview_runs_the_full_outbox_scans_once_per_interval_not_every_refresh(client_for, db, db_schema):
+    insert_outbox(db, db_schema, "web_mail")
+    client = client_for(scan_interval_ms=3_600_000)
+    first = client.get("/fragments/overview")
+    assert 'data-queue="web_mail"' in first.text and "counted by a full scan" in first.text
+    # A queue only published rows name is found by the full scan alone.
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {}.outbox (message_id, queue_name, actor_name, body, published_at) "
+            "VALUES ('m-late', 'web_late', 'a', '\\x7b7d', now())"
+        ).format(sql.Identifier(db_schema))
+    )
+    insert_outbox(db, db_schema, "web_mail")
+    cached = client.get("/fragments/overview")
+    assert cell(cached.text, "outbox-backlog", within='data-queue="web_mail"') == "2"  # the backlog is live
+    assert cell(cached.text, "retries-waiting", within='data-queue="web_mail"') == "0"  # from the scan
+    assert 'data-queue="web_late"' not in cached.text
+    assert 'data-queue="web_late"' in client_for(scan_interval_ms=0).get("/fragments/overview").text

@@ -144,6 +144,8 @@ def test_create_app_refuses_bad_options_with_the_fix():
         create_app(NOWHERE, target="rabbit")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="access= must be a callable"):
         create_app(NOWHERE, access="full")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="queues= holds '', which cannot be a queue name"):
+        create_app(NOWHERE, queues=[""])
 
 
 def test_importing_the_web_page_without_its_extra_names_the_install_command():
