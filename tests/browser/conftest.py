@@ -70,17 +70,20 @@ def _missing(what: str) -> None:
 def browser() -> Iterator[Any]:
     """One headless Chromium for the session (starting it takes seconds); a context per test."""
     os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
-    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)) and not shutil.which(CHROMIUM):
+    executable = shutil.which(CHROMIUM)  # a path, or a name on $PATH
+    if executable is None:
         _missing(
             f"Chromium not found at {CHROMIUM!r}: install Debian's package with 'apt-get install -y chromium' "
             "(or point $CHROMIUM at a Chromium binary); never 'playwright install'"
         )
     try:
-        from playwright.sync_api import sync_playwright
+        from playwright.sync_api import expect, sync_playwright
     except ImportError:
         _missing("Playwright for Python is not installed: run pip install -e '.[dev]'")
+    # The machine is shared and CI runs the whole suite: give the page's assertions room.
+    expect.set_options(timeout=10_000)
     with sync_playwright() as playwright:
-        instance = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        instance = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         try:
             yield instance
         finally:
