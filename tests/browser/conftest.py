@@ -11,7 +11,8 @@ three uvicorn servers that start once a session):
 * ``site.full``: the app run alone (mounted at ``/``), whose access hook answers ``full`` for
   the user ``alice``;
 * ``site.jobs``: the same app mounted at ``/jobs`` inside a parent Starlette app, full access;
-* ``site.read``: the app mounted at ``/jobs`` with an access hook answering ``read``.
+* ``site.read``: the app mounted at ``/jobs`` with an access hook answering ``read``; beside it
+  ``site.private`` (read-only, ``hide_args=True``) and ``site.closed`` (``forbidden``).
 
 Everything is torn down even when the test fails: the apps' connections closed, the schema
 dropped, the queues deleted (their names derive from ``queue_name``, so the suite's janitor
@@ -136,6 +137,10 @@ class Site:
     full: str
     jobs: str
     read: str
+    #: read-only with ``hide_args=True``
+    private: str
+    #: the access hook answers ``forbidden``
+    closed: str
     database_url: str
     database: Database
     broker: OutboxBroker
@@ -224,21 +229,32 @@ def site(
         def read(request: Any) -> Any:
             return "read"
 
-        def app(access: Callable[[Any], Any]) -> Any:
-            apps.append(web.create_app(database, schema=web_schema, access=access, broker=broker))
+        def forbidden(request: Any) -> Any:
+            return web.Access("forbidden")
+
+        def app(access: Callable[[Any], Any], **options: Any) -> Any:
+            apps.append(web.create_app(database, schema=web_schema, access=access, broker=broker, **options))
             return apps[-1]
 
         servers.alone.app = app(full)
         # Mounted as a user's app mounts it.  Starlette runs no lifespan of a mounted app (nor does
         # the switch run the alone app's): the teardown closes each app's connections instead.
         servers.mounted.app = Starlette(routes=[Mount("/jobs", app=app(full))])
-        servers.read_only.app = Starlette(routes=[Mount("/jobs", app=app(read))])
+        servers.read_only.app = Starlette(
+            routes=[
+                Mount("/jobs", app=app(read)),
+                Mount("/private", app=app(read, hide_args=True)),
+                Mount("/closed", app=app(forbidden)),
+            ]
+        )
         alone, mounted, read_only = servers.urls
         yield Site(
             seeded=seeded,
             full=alone,
             jobs=f"{mounted}/jobs",
             read=f"{read_only}/jobs",
+            private=f"{read_only}/private",
+            closed=f"{read_only}/closed",
             database_url=database_url,
             database=database,
             broker=broker,

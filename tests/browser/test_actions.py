@@ -168,6 +168,31 @@ def test_a_read_only_user_sees_every_action_disabled_and_a_forced_post_gets_403(
     assert set(states(db, seeded.schema).values()) == {"dead"}
 
 
+def test_a_forbidden_user_gets_403_on_every_page_and_static_file(site, page):
+    for path in ("/", "/dead-letters", f"/dead-letters/{site.seeded.detail_id}", "/outbox", "/schedules"):
+        response = page.goto(f"{site.closed}{path}")
+        assert response is not None and response.status == 403, path
+    expect(page.get_by_test_id("dl-traceback")).to_have_count(0)
+    assert page.request.get(f"{site.closed}/static/htmx.min.js").status == 403
+    assert page.request.get(f"{site.read}/static/htmx.min.js").status == 200
+
+
+def test_without_javascript_the_forms_still_confirm_and_discard(site, browser, db):
+    seeded = site.seeded
+    context = browser.new_context(java_script_enabled=False)
+    try:
+        page = context.new_page()
+        page.goto(f"{site.full}/dead-letters")
+        _group(page, seeded.fingerprint_of(seeded.reports)).get_by_test_id("discard-group").click()
+        assert number(page.get_by_test_id("confirm-count")) == 1
+        page.get_by_test_id("confirm").click()
+        expect(_flash(page, "discarded")).to_contain_text("1")
+    finally:
+        context.close()
+    (only,) = seeded.groups[seeded.fingerprint_of(seeded.reports)]
+    assert states(db, seeded.schema)[only] == "discarded"
+
+
 @pytest.mark.parametrize("other_host", ["localhost", "127.0.0.1"], ids=["cross-site", "same-site-other-port"])
 def test_a_post_from_another_origin_is_refused(site, page, db, other_host):
     seeded = site.seeded

@@ -127,3 +127,8 @@ def test_one_letter_shows_its_error_traceback_attempts_classification_and_trace_
     expect(page.get_by_test_id("dl-args")).to_contain_text("7")
     expect(page.get_by_test_id("replay-one")).to_be_enabled()
     expect(page.get_by_test_id("discard-one")).to_be_enabled()
+
+    # With hide_args=True the arguments (they may hold personal data) are not shown.
+    page.goto(f"{site.private}/dead-letters/{seeded.detail_id}")
+    expect(page.get_by_test_id("dl-args")).to_have_text(re.compile(r"^\s*hidden\s*$"))
+    expect(page.get_by_test_id("dl-error")).to_contain_text("welcome_v2.html")
