@@ -107,7 +107,7 @@ def test_a_forced_replay_sends_the_too_old_letter_as_well(site, page, db, rabbit
     assert [body["message_id"] for body in bodies if body["actor_name"] == "charge_card"] == [message_id]
 
 
-def test_discarding_a_selection_touches_only_the_ticked_rows_and_cancel_touches_none(site, page, db):
+def test_discarding_a_selection_touches_only_the_ticked_rows_and_cancel_touches_none(site, page, db, seen):
     seeded = site.seeded
     page.goto(f"{site.full}/dead-letters")
     _group(page, seeded.fingerprint_of(seeded.emails)).get_by_test_id("discard-group").click()
@@ -131,6 +131,13 @@ def test_discarding_a_selection_touches_only_the_ticked_rows_and_cancel_touches_
     assert not set(row_ids(page)) & set(ticked)
     now = states(db, seeded.schema)
     assert sorted(i for i, state in now.items() if state == "discarded") == sorted(ticked)
+    # Who did it is on record: the access hook's user, in the event and on the rows.
+    (event,) = [e for e in seen if e.name == "web.action"]
+    assert (event.action, event.who, event.matched, event.done) == ("dead_letters.discard", "web:alice", 2, 2)
+    handled = sql.SQL("SELECT DISTINCT handled_by FROM {} WHERE state = 'discarded'").format(
+        sql.Identifier(seeded.schema, "dead_letters")
+    )
+    assert db.execute(handled).fetchall() == [("web:alice",)]
 
 
 def test_a_read_only_user_sees_every_action_disabled_and_a_forced_post_gets_403(site, page, db):
