@@ -9,7 +9,6 @@ screenshots in ``docs/img`` come out the same each time they are regenerated.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import linecache
 import time
 import types
@@ -27,7 +26,6 @@ from dramatiq_reliable.dead_letters.records import _PRIOR_ATTR, _RAN_ATTR
 from dramatiq_reliable.retries import decision_record
 from dramatiq_reliable.scheduler import Registry, Scheduler, schedule
 
-UTC = dt.timezone.utc
 DAY_MIN = 24 * 60
 
 #: A W3C trace id the detail page must show for the ``emails`` letters.
@@ -97,6 +95,8 @@ class Seeded:
     reports: str
     #: fingerprint -> dead-letter ids (state ``dead``), biggest group first
     groups: dict[str, list[int]]
+    #: queue -> the fingerprint of its one group
+    fingerprints: dict[str, str]
     #: ids of the dead letters first sent longer ago than the replay limit (7 days)
     too_old: list[int]
     #: one letter with a trace id and a retry decision, for the detail page
@@ -115,10 +115,7 @@ class Seeded:
 
     def fingerprint_of(self, queue: str) -> str:
         """The fingerprint of the group seeded on ``queue`` (one group per queue)."""
-        return {self.payments: self._fp(0), self.emails: self._fp(1), self.reports: self._fp(2)}[queue]
-
-    def _fp(self, index: int) -> str:
-        return list(self.groups)[index]
+        return self.fingerprints[queue]
 
 
 @dataclasses.dataclass
@@ -225,10 +222,12 @@ def seed(broker: OutboxBroker, db: psycopg.Connection[Any], *, schema: str, base
     table = sql.Identifier(schema, "dead_letters")
     rows = db.execute(
         sql.SQL(
-            "SELECT fingerprint, array_agg(id ORDER BY id) FROM {} GROUP BY fingerprint ORDER BY count(*) DESC"
+            "SELECT queue_name, fingerprint, array_agg(id ORDER BY id) FROM {} "
+            "GROUP BY queue_name, fingerprint ORDER BY count(*) DESC"
         ).format(table)
     ).fetchall()
-    groups = {str(fp): list(ids) for fp, ids in rows}
+    groups = {str(fp): list(ids) for _, fp, ids in rows}
+    fingerprints = {str(queue): str(fp) for queue, fp, _ in rows}
     assert [len(ids) for ids in groups.values()] == [4, 2, 1], f"the seed expected three groups, got {groups}"
 
     # The outbox: a backlog on payments and e-mails, and one poison row the relay gave up on.
@@ -272,6 +271,7 @@ def seed(broker: OutboxBroker, db: psycopg.Connection[Any], *, schema: str, base
         emails=emails,
         reports=reports,
         groups=groups,
+        fingerprints=fingerprints,
         too_old=[card[0]],
         detail_id=mail[0],
         outbox_backlog={payments: 3, emails: 2},
