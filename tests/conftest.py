@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test by its folder, so ``-m unit`` runs the tests that need no service."""
     for item in items:
         parts = item.path.parts
-        for kind in ("unit", "integration", "acceptance"):
+        for kind in ("unit", "integration", "acceptance", "browser"):
             if kind in parts:
                 item.add_marker(getattr(pytest.mark, kind))
 
