@@ -67,9 +67,11 @@ def _missing(what: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: while Playwright's sync API is open it keeps an asyncio loop
+# running in the main thread, and the tests after this folder that call asyncio.run() would fail.
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    """One headless Chromium for the session (starting it takes seconds); a context per test."""
+    """One headless Chromium for the browser tests (starting it takes seconds); a context per test."""
     os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
     executable = shutil.which(CHROMIUM)  # a path, or a name on $PATH
     if executable is None:
@@ -189,9 +191,9 @@ class Servers:
     urls: tuple[str, str, str]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def servers() -> Iterator[Servers]:
-    """Three uvicorn servers in threads on free loopback ports, for the session."""
+    """Three uvicorn servers in threads on free loopback ports, for one test module."""
     switches = (Switch(), Switch(), Switch())
     with serve(switches[0]) as alone, serve(switches[1]) as mounted, serve(switches[2]) as read_only:
         yield Servers(*switches, urls=(alone, mounted, read_only))
