@@ -18,12 +18,16 @@ from urllib.parse import parse_qs, urlparse, urlsplit, urlunsplit
 import dramatiq.common
 import pika
 import psycopg
+from dramatiq.broker import MessageProxy
 from dramatiq.common import dq_name, xq_name
+from dramatiq.message import Message
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+
+from dramatiq_reliable.dead_letters import DeadLetters
 
 _DEFAULT_PORTS = {"postgresql": 5432, "postgres": 5432, "amqp": 5672, "amqps": 5671}
 
@@ -327,3 +331,36 @@ def status_server() -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def capture_dead_letter(
+    broker: Any,
+    *,
+    actor_name: str = "send_email",
+    queue_name: str = "default",
+    error: BaseException | None = None,
+    sent_days_ago: float = 0,
+    args: tuple[Any, ...] = (42,),
+    kwargs: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None,
+) -> Any:
+    """One dead letter, stored as the ``DeadLetters`` middleware stores a message that failed for
+    good: the message first sent ``sent_days_ago`` days ago, failing with ``error`` (raised, so it
+    carries a real traceback)."""
+    message = Message(
+        queue_name=queue_name,
+        actor_name=actor_name,
+        args=args,
+        kwargs=kwargs or {},
+        options={"retries": 3, **(options or {})},
+        message_timestamp=int((time.time() - sent_days_ago * 86400) * 1000),
+    )
+    proxy = MessageProxy(message)
+    try:
+        raise error or ValueError("card declined")
+    except BaseException as raised:
+        proxy.stuff_exception(raised)
+    proxy.fail()
+    stored = DeadLetters().capture(broker, proxy)
+    assert stored is not None
+    return stored

@@ -7,19 +7,17 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
 
 import psycopg
 import pytest
-from dramatiq.broker import MessageProxy
-from dramatiq.message import Message
 from psycopg import sql
+from support import capture_dead_letter
 
 from dramatiq_reliable import OutboxBroker
 from dramatiq_reliable.cli import ExitCode, main
 from dramatiq_reliable.cli.dead_letters import NOT_FOUND, REFUSED
-from dramatiq_reliable.dead_letters import DeadLetter, DeadLetters
+from dramatiq_reliable.dead_letters import DeadLetter
 
 pytestmark = pytest.mark.integration
 
@@ -33,23 +31,14 @@ def _capture(
     sent_days_ago: float = 0,
     options: dict[str, Any] | None = None,
 ) -> DeadLetter:
-    message = Message(
-        queue_name=queue_name,
+    return capture_dead_letter(
+        broker,
         actor_name=actor_name,
-        args=(42,),
-        kwargs={},
-        options={"retries": 3, **(options or {})},
-        message_timestamp=int((time.time() - sent_days_ago * 86400) * 1000),
+        queue_name=queue_name,
+        error=error,
+        sent_days_ago=sent_days_ago,
+        options=options,
     )
-    proxy = MessageProxy(message)
-    try:
-        raise error or ValueError("card declined")
-    except BaseException as raised:
-        proxy.stuff_exception(raised)
-    proxy.fail()
-    stored = DeadLetters().capture(broker, proxy)
-    assert stored is not None
-    return stored
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from __future__ import annotations
 import html as html_module
 import re
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -19,15 +18,14 @@ from typing import Any
 import dramatiq
 import psycopg
 import pytest
-from dramatiq.broker import MessageProxy
-from dramatiq.message import Message
 from psycopg import sql
 from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
+from support import capture_dead_letter
 
 from dramatiq_reliable import OutboxBroker, PostgresBroker, PostgresDeadLetterStore, events
-from dramatiq_reliable.dead_letters import DeadLetter, DeadLetters
+from dramatiq_reliable.dead_letters import DeadLetter
 from dramatiq_reliable.health import collect_health
 from dramatiq_reliable.scheduler import Registry, Scheduler
 from dramatiq_reliable.scheduler import schedule as declare
@@ -67,23 +65,16 @@ def capture(
     options: dict[str, Any] | None = None,
 ) -> DeadLetter:
     """One dead letter, stored as the middleware stores a message that failed for good."""
-    message = Message(
-        queue_name=queue_name,
+    return capture_dead_letter(
+        broker,
         actor_name=actor_name,
+        queue_name=queue_name,
+        error=error,
+        sent_days_ago=sent_days_ago,
         args=args,
         kwargs={"email": "ann@example.com"},
-        options={"retries": 3, **(options or {})},
-        message_timestamp=int((time.time() - sent_days_ago * 86400) * 1000),
+        options=options,
     )
-    proxy = MessageProxy(message)
-    try:
-        raise error or ValueError("card declined")
-    except BaseException as raised:
-        proxy.stuff_exception(raised)
-    proxy.fail()
-    stored = DeadLetters().capture(broker, proxy)
-    assert stored is not None
-    return stored
 
 
 def full(request: Any) -> Access:
