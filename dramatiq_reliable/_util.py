@@ -3,36 +3,17 @@
 from __future__ import annotations
 
 import re
-from typing import Any, TypeGuard
+from typing import Any
 
 __all__ = [
-    "check_ms",
     "first_line",
     "format_age",
-    "is_int",
     "rabbitmq_address",
     "rabbitmq_error",
     "rabbitmq_reason",
     "redact",
     "type_name",
 ]
-
-
-def is_int(value: object) -> TypeGuard[int]:
-    """An ``int`` that is not a ``bool`` (``True`` is not a count of milliseconds)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_ms(name: str, value: Any, *, minimum: int = 0, fix: str = "", allow_none: bool = False) -> None:
-    """Raise ``ConfigurationError`` unless ``value`` is an int of milliseconds >= ``minimum``."""
-    from .errors import ConfigurationError
-
-    if value is None and allow_none:
-        return
-    if not is_int(value) or value < minimum:
-        none = " or None" if allow_none else ""
-        hint = f"; {fix}" if fix else ""
-        raise ConfigurationError(f"{name} must be an int >= {minimum} (milliseconds){none}, got {value!r}{hint}")
 
 
 def type_name(cls: type) -> str:

@@ -49,7 +49,8 @@ from psycopg_pool import PoolTimeout
 
 from . import _sql, schema
 from . import schema as _schema
-from ._util import check_ms, first_line, format_age, rabbitmq_error, redact
+from ._checks import check_ms
+from ._util import first_line, format_age, rabbitmq_error, redact
 from .database import Database
 from .errors import ConfigurationError, SchemaNotReady
 

@@ -41,8 +41,7 @@ from dramatiq.middleware import Middleware, Retries, default_middleware
 from dramatiq.worker import Worker
 
 from . import events
-from ._util import check_ms as _check_ms
-from ._util import is_int as _is_int
+from ._checks import check_ms, is_int
 from ._util import type_name as _type_name
 from .classify import (
     DEFAULT_MAX_RETRY_AFTER_MS,
@@ -264,15 +263,15 @@ class ClassifiedRetries(Middleware):
         # None means the default, as in Dramatiq's Retries.
         min_backoff = DEFAULT_MIN_BACKOFF if min_backoff is None else min_backoff
         max_backoff = DEFAULT_MAX_BACKOFF if max_backoff is None else max_backoff
-        _check_ms(
+        check_ms(
             "max_retries",
             max_retries,
             minimum=0,
             allow_none=True,
             fix="use 0 to never retry, None for no limit",
         )
-        _check_ms("min_backoff", min_backoff, minimum=1, fix="pass the first retry's delay in milliseconds")
-        _check_ms(
+        check_ms("min_backoff", min_backoff, minimum=1, fix="pass the first retry's delay in milliseconds")
+        check_ms(
             "max_backoff",
             max_backoff,
             minimum=1,
@@ -307,21 +306,21 @@ class ClassifiedRetries(Middleware):
             raise ConfigurationError(
                 f"jitter_ratio must be a number from 0 to 1, got {jitter_ratio!r}; 0.25 jitters up to 25% below"
             )
-        _check_ms(
+        check_ms(
             "retry_deadline_ms",
             retry_deadline_ms,
             minimum=1,
             allow_none=True,
             fix="pass the longest time in milliseconds a message may keep retrying, or None",
         )
-        _check_ms(
+        check_ms(
             "max_retry_after_ms",
             max_retry_after_ms,
             minimum=0,
             allow_none=True,
             fix="pass the longest Retry-After to honour in milliseconds, or None for no cap",
         )
-        _check_ms(
+        check_ms(
             "consumer_timeout_ms",
             consumer_timeout_ms,
             minimum=1,
@@ -402,7 +401,7 @@ class ClassifiedRetries(Middleware):
         if exception is None:
             return
         retries = message.options.get("retries", 0)
-        attempt = retries + 1 if _is_int(retries) else 1
+        attempt = retries + 1 if is_int(retries) else 1
         try:
             self._handle_failure(broker, message, exception, attempt)
         except Exception:
@@ -556,7 +555,7 @@ class ClassifiedRetries(Middleware):
         if limit is None:
             return
         for name, value in (("max_backoff", max_backoff), ("max_retry_after_ms", max_retry_after_ms)):
-            if _is_int(value) and value > limit:
+            if is_int(value) and value > limit:
                 logger.warning(
                     "%s: %s=%d ms is longer than consumer_timeout_ms=%d; delayed messages wait unacked in "
                     "worker memory and RabbitMQ closes a channel that holds one past its consumer_timeout "

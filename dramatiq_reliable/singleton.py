@@ -37,13 +37,13 @@ from dramatiq.middleware import Middleware, SkipMessage
 from psycopg import sql
 
 from . import _sql, events
-from ._util import check_ms, first_line, is_int
+from ._checks import check_ms, is_int
+from ._util import first_line
+from .backing import backing_of
+from .binding import bind
 from .database import Database, DatabaseLike
 from .errors import ActorOptionError, ConfigurationError, DatabaseUnavailable, MiddlewareFailed
 from .idempotency._connections import autocommit  # the pool's connections keep their mode
-from .outbox.binding import bind
-from .outbox.broker import OutboxBroker
-from .postgres.broker import PostgresBroker
 
 __all__ = [
     "WHEN_HELD",
@@ -217,18 +217,10 @@ class Singleton(Middleware):
     def database_for(self, broker: Broker) -> tuple[Database, str]:
         """The database and schema the leases of ``broker``'s actors live in."""
         if self._target is None:
-            shared = isinstance(broker, (OutboxBroker, PostgresBroker))
-            if self._own_database is not None:
-                database = self._own_database
-                default_schema = broker.schema if shared else _sql.DEFAULT_SCHEMA  # type: ignore[attr-defined]
-            elif shared:
-                database, default_schema = broker.database, broker.schema  # type: ignore[attr-defined]
-            else:
-                raise ActorOptionError(
-                    f"Singleton has no database on a {type(broker).__name__}; pass database=, "
-                    "or use dramatiq_reliable.OutboxBroker whose pool it shares"
-                )
-            self._target = (database, self.schema or default_schema)
+            backing = backing_of(
+                broker, needed_by="Singleton", database=self._own_database, schema=self.schema, error=ActorOptionError
+            )
+            self._target = (backing.database, backing.schema)
         return self._target
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:

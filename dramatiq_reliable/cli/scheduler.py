@@ -15,7 +15,8 @@ from . import output
 from .common import Duration, ExitCode, Integer, UsageError, open_database
 
 if TYPE_CHECKING:
-    from ..scheduler.loop import SchedulerPass, Target
+    from ..backing import SendsTo
+    from ..scheduler.loop import SchedulerPass
 
 __all__ = ["module_name", "register"]
 
@@ -152,14 +153,15 @@ def _import(path: str, modules: Sequence[str]) -> Any:
     return default_registry
 
 
-def _target(choice: str) -> Target:
+def _target(choice: str) -> SendsTo:
     if choice == "outbox":
         return "outbox"
     if choice == "queue":
         return "queue"
     import dramatiq.broker
 
-    from ..postgres.broker import PostgresBroker
+    from ..backing import postgres_backed
 
     # The global broker only if MODULE set one: get_broker() would make a RabbitMQ one.
-    return "queue" if isinstance(dramatiq.broker.global_broker, PostgresBroker) else "outbox"
+    backed = postgres_backed(dramatiq.broker.global_broker)
+    return backed.sends_to if backed is not None else "outbox"

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.common import q_name, xq_name
@@ -14,13 +14,12 @@ from dramatiq.errors import ActorNotFound
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 
-from .. import _sql, events
-from .._util import check_ms as _check_ms
+from .. import events
+from .._checks import check_ms
 from .._util import first_line as _first_line
+from ..backing import backing_of
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError
-from ..outbox.broker import OutboxBroker
-from ..postgres.broker import PostgresBroker
 from .analysis import _as_int, _describe_failure
 from .protocol import DeadLetterStore
 from .records import (
@@ -98,7 +97,7 @@ class DeadLetters(Middleware):
             notify_channel(schema)
         if on_dead_letter is not None and not callable(on_dead_letter):
             raise ConfigurationError(f"on_dead_letter must be a callable taking a DeadLetter, got {on_dead_letter!r}")
-        _check_ms("timeout_ms", timeout_ms, allow_none=False, fix="e.g. timeout_ms=5000", minimum=1)
+        check_ms("timeout_ms", timeout_ms, allow_none=False, fix="e.g. timeout_ms=5000", minimum=1)
         if (
             isinstance(max_traceback_chars, bool)
             or not isinstance(max_traceback_chars, int)
@@ -124,20 +123,15 @@ class DeadLetters(Middleware):
             return self._store
         with self._lock:
             if self._store is None:
-                database = self._owned_database or self._database
-                replay_to: Literal["outbox", "queue"] = "outbox"
-                if isinstance(broker, (OutboxBroker, PostgresBroker)):
-                    database = database or broker.database
-                    schema_name = self.schema or broker.schema
-                    replay_to = "queue" if isinstance(broker, PostgresBroker) else "outbox"
-                elif database is None:
-                    raise ConfigurationError(
-                        f"DeadLetters on a {type(broker).__name__} needs database=; "
-                        "or use dramatiq_reliable.OutboxBroker, whose pool it shares"
-                    )
-                else:
-                    schema_name = self.schema or _sql.DEFAULT_SCHEMA
-                self._store = PostgresDeadLetterStore(database=database, schema=schema_name, replay_to=replay_to)
+                backing = backing_of(
+                    broker,
+                    needed_by="DeadLetters",
+                    database=self._owned_database or self._database,
+                    schema=self.schema,
+                )
+                self._store = PostgresDeadLetterStore(
+                    database=backing.database, schema=backing.schema, replay_to=backing.sends_to
+                )
             return self._store
 
     # -- lifecycle -----------------------------------------------------------------------------

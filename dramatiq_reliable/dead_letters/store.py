@@ -13,18 +13,18 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import psycopg
+from dramatiq.broker import Broker
 from dramatiq.common import q_name
 from psycopg import sql
 from psycopg.rows import class_row
 
 from .. import _sql, events, schema
-from .._util import check_ms as _check_ms
+from .._checks import check_ms
+from ..backing import backing_of, postgres_backed
+from ..binding import bound_connection
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError
-from ..outbox.binding import bound_connection
-from ..outbox.broker import OutboxBroker
 from ..outbox.wake import wake_relays
-from ..postgres.broker import PostgresBroker
 from .analysis import Failure, _clean_text
 from .connect import write_within
 from .records import (
@@ -107,8 +107,8 @@ class PostgresDeadLetterStore:
         if replay_to not in ("outbox", "queue"):
             raise ConfigurationError(f"replay_to must be 'outbox' or 'queue', got {replay_to!r}")
         self.replay_to = replay_to
-        _check_ms("replay_max_age_ms", replay_max_age_ms, allow_none=True, fix="e.g. 7 days = 604800000")
-        _check_ms("retention_ms", retention_ms, allow_none=True, fix="e.g. 30 days = 2592000000")
+        check_ms("replay_max_age_ms", replay_max_age_ms, allow_none=True, fix="e.g. 7 days = 604800000")
+        check_ms("retention_ms", retention_ms, allow_none=True, fix="e.g. 30 days = 2592000000")
         _check_batch(batch_size)
         self.schema = _sql.validate_schema(schema)
         self.channel = notify_channel(self.schema)
@@ -120,17 +120,16 @@ class PostgresDeadLetterStore:
         self._ready = False
 
     @classmethod
-    def from_broker(cls, broker: OutboxBroker | PostgresBroker, **options: Any) -> PostgresDeadLetterStore:
-        """A store on ``broker``'s pool and schema (replaying onto its queues for a ``PostgresBroker``)."""
-        if not isinstance(broker, (OutboxBroker, PostgresBroker)):
+    def from_broker(cls, broker: Broker, **options: Any) -> PostgresDeadLetterStore:
+        """A store on a Postgres-backed ``broker``'s pool and schema, replaying where its sends go."""
+        if postgres_backed(broker) is None:
             raise ConfigurationError(
-                f"PostgresDeadLetterStore.from_broker() needs an OutboxBroker or a PostgresBroker, "
-                f"got {type(broker).__name__!r}; build PostgresDeadLetterStore(database=...) instead"
+                f"PostgresDeadLetterStore.from_broker() needs a Postgres-backed broker (OutboxBroker or "
+                f"PostgresBroker), got {type(broker).__name__!r}; build PostgresDeadLetterStore(database=...) instead"
             )
-        if isinstance(broker, PostgresBroker):
-            options.setdefault("replay_to", "queue")
-        options.setdefault("schema", broker.schema)
-        return cls(database=broker.database, **options)
+        backing = backing_of(broker, needed_by="PostgresDeadLetterStore", schema=options.pop("schema", None))
+        options.setdefault("replay_to", backing.sends_to)
+        return cls(database=backing.database, schema=backing.schema, **options)
 
     def close(self) -> None:
         """Close the pool if this store created it."""
@@ -297,7 +296,7 @@ class PostgresDeadLetterStore:
         many of them it would refuse as too old).  For confirmation prompts."""
         if max_age_ms is _UNSET:
             max_age_ms = self.replay_max_age_ms
-        _check_ms("max_age_ms", max_age_ms, allow_none=True, fix="or pass force=True")
+        check_ms("max_age_ms", max_age_ms, allow_none=True, fix="or pass force=True")
         where = _check_filter(where)
         total, too_old, _ = self._count(None, where, _check_ids(ids), "dead", None if force else max_age_ms)
         return total, too_old
@@ -361,12 +360,12 @@ class PostgresDeadLetterStore:
                 f"queue_name must be a queue's canonical name (not its .DQ or .XQ), got {queue_name!r}"
             )
         if delay_ms is not None:
-            _check_ms("delay_ms", delay_ms, allow_none=False, fix="e.g. delay_ms=60000 for one minute")
+            check_ms("delay_ms", delay_ms, allow_none=False, fix="e.g. delay_ms=60000 for one minute")
         if not isinstance(force, bool):
             raise ConfigurationError(f"force must be a bool, got {force!r}")
         if max_age_ms is _UNSET:
             max_age_ms = self.replay_max_age_ms
-        _check_ms("max_age_ms", max_age_ms, allow_none=True, fix="or pass force=True")
+        check_ms("max_age_ms", max_age_ms, allow_none=True, fix="or pass force=True")
         age_limit = None if force else max_age_ms
         handled_by = _check_by(by)
         bound = conn if conn is not None else bound_connection()
@@ -521,8 +520,8 @@ class PostgresDeadLetterStore:
         """
         if older_than_ms is _UNSET:
             older_than_ms = self.retention_ms
-        _check_ms("older_than_ms", older_than_ms, allow_none=True, fix="e.g. 30 days = 2592000000")
-        _check_ms("handled_older_than_ms", handled_older_than_ms, allow_none=True, fix="0 purges every handled row")
+        check_ms("older_than_ms", older_than_ms, allow_none=True, fix="e.g. 30 days = 2592000000")
+        check_ms("handled_older_than_ms", handled_older_than_ms, allow_none=True, fix="0 purges every handled row")
         size = self.batch_size if batch is None else _check_batch(batch)
         dead = self._purge("dead_letters_purge_dead", older_than_ms, size) if older_than_ms is not None else 0
         handled = (

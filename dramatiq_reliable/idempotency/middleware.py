@@ -22,6 +22,8 @@ from psycopg_pool import PoolTimeout
 from .. import _sql, events
 from .._util import first_line as _first_line
 from .._util import type_name
+from ..backing import backing_of
+from ..binding import bind
 from ..classify import Decision, backoff_ms, is_connection_failure
 from ..database import Database, DatabaseLike
 from ..errors import (
@@ -35,9 +37,6 @@ from ..errors import (
     MiddlewareFailed,
     SchemaNotReady,
 )
-from ..outbox.binding import bind
-from ..outbox.broker import OutboxBroker
-from ..postgres.broker import PostgresBroker
 from ..retries import (
     RETRY_DECISION_KEY,
     ClassifiedRetries,
@@ -212,19 +211,10 @@ class Idempotency(Middleware):
     def database_for(self, broker: Broker) -> tuple[Database, str]:
         """The database and schema the keys of ``broker``'s jobs live in."""
         if self._target is None:
-            if self._own_database is not None:
-                database = self._own_database
-                default_schema = (
-                    broker.schema if isinstance(broker, (OutboxBroker, PostgresBroker)) else _sql.DEFAULT_SCHEMA
-                )
-            elif isinstance(broker, (OutboxBroker, PostgresBroker)):
-                database, default_schema = broker.database, broker.schema
-            else:
-                raise ActorOptionError(
-                    f"Idempotency has no database on a {type(broker).__name__}; pass database=, "
-                    "or use dramatiq_reliable.OutboxBroker whose pool it shares"
-                )
-            self._target = (database, self.schema or default_schema)
+            backing = backing_of(
+                broker, needed_by="Idempotency", database=self._own_database, schema=self.schema, error=ActorOptionError
+            )
+            self._target = (backing.database, backing.schema)
         return self._target
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:

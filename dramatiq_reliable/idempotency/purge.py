@@ -9,12 +9,11 @@ import dramatiq
 from dramatiq.broker import Broker
 
 from .. import _sql, events
+from ..backing import backing_of
 from ..database import Database, DatabaseLike
 from ..errors import (
     ConfigurationError,
 )
-from ..outbox.broker import OutboxBroker
-from ..postgres.broker import PostgresBroker
 from ..schema import IDEMPOTENCY_VERSION, ensure_ready
 from ._connections import autocommit
 from .events import IdempotencyKeysPurged
@@ -72,15 +71,12 @@ def make_purge_actor(
         middleware = next((m for m in broker.middleware if isinstance(m, Idempotency)), None)
         if middleware is not None:
             database, default_schema = middleware.database_for(broker)
-        elif isinstance(broker, (OutboxBroker, PostgresBroker)):
-            database, default_schema = broker.database, broker.schema
         else:
-            raise ConfigurationError(
-                f"make_purge_actor() found no database on a {type(broker).__name__}; pass database='postgresql://...'"
-            )
+            backing = backing_of(broker, needed_by="make_purge_actor()")
+            database, default_schema = backing.database, backing.schema
     else:
-        database = Database.of(database)
-        default_schema = broker.schema if isinstance(broker, (OutboxBroker, PostgresBroker)) else _sql.DEFAULT_SCHEMA
+        backing = backing_of(broker, needed_by="make_purge_actor()", database=Database.of(database))
+        database, default_schema = backing.database, backing.schema
     schema_name = _sql.validate_schema(schema or default_schema)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigurationError(f"batch_size must be a positive int, got {batch_size!r}")

@@ -1,6 +1,6 @@
 """The transactional outbox: OutboxBroker, binding, the relay and its worker middleware."""
 
-from .binding import bind
+from ..binding import bind
 from .broker import OutboxBroker
 from .relay import Relay, RelayOptions, RelayPass, WorkerRelay, purge_published
 from .wake import wake_relays

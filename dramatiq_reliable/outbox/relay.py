@@ -32,17 +32,18 @@ from typing import Any, ClassVar, Literal
 
 import psycopg
 from dramatiq.broker import Broker
+from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.middleware import Middleware
 from psycopg_pool import PoolTimeout
 
 from .. import _sql, events, schema
+from .._checks import is_int
 from .._util import first_line as _first_line
-from .._util import is_int as _is_int
 from .._util import redact
+from ..backing import postgres_backed
 from ..database import Database, DatabaseLike
 from ..errors import BrokerUnavailable, ConfigurationError, SchemaNotReady
 from . import wake
-from .broker import OutboxBroker
 from .publisher import Publication, Publisher, PublishOutcome
 
 __all__ = [
@@ -172,21 +173,21 @@ class RelayOptions:
             ("purge_interval_ms", 1),
             ("confirm_timeout_ms", 1),
             ("backoff_min_ms", 1),
-            ("backoff_max_ms", self.backoff_min_ms if _is_int(self.backoff_min_ms) else 1),
+            ("backoff_max_ms", self.backoff_min_ms if is_int(self.backoff_min_ms) else 1),
             ("row_backoff_max_ms", 1),
             ("max_batch_bytes", 1),
             ("statement_timeout_ms", 1),
         ):
             value = getattr(self, name)
-            if not _is_int(value) or value < minimum:
+            if not is_int(value) or value < minimum:
                 raise ConfigurationError(f"{name} must be an int >= {minimum}, got {value!r}")
         if self.on_published not in ("mark", "delete"):
             raise ConfigurationError(f"on_published must be 'mark' or 'delete', got {self.on_published!r}")
-        if self.retention_ms is not None and (not _is_int(self.retention_ms) or self.retention_ms < 0):
+        if self.retention_ms is not None and (not is_int(self.retention_ms) or self.retention_ms < 0):
             raise ConfigurationError(f"retention_ms must be a non-negative int or None, got {self.retention_ms!r}")
-        if self.max_priority is not None and (not _is_int(self.max_priority) or not 1 <= self.max_priority <= 255):
+        if self.max_priority is not None and (not is_int(self.max_priority) or not 1 <= self.max_priority <= 255):
             raise ConfigurationError(f"max_priority must be an int from 1 to 255 or None, got {self.max_priority!r}")
-        if self.max_attempts is not None and (not _is_int(self.max_attempts) or self.max_attempts < 1):
+        if self.max_attempts is not None and (not is_int(self.max_attempts) or self.max_attempts < 1):
             raise ConfigurationError(f"max_attempts must be an int >= 1 or None, got {self.max_attempts!r}")
         if not isinstance(self.listen, bool):
             raise ConfigurationError(f"listen must be True or False, got {self.listen!r}")
@@ -281,16 +282,17 @@ class Relay:
         self._sleeping_s: float | None = None
 
     @classmethod
-    def from_broker(cls, broker: OutboxBroker, **options: Any) -> Relay:
+    def from_broker(cls, broker: Broker, **options: Any) -> Relay:
         """A relay that shares ``broker``'s RabbitMQ parameters, pool, schema and priority."""
-        if not isinstance(broker, OutboxBroker):
+        backed = _outbox_broker(broker)
+        if backed is None:
             raise ConfigurationError(
-                f"Relay.from_broker() needs an OutboxBroker, got {type(broker).__name__!r}; "
-                "build your broker with dramatiq_reliable.OutboxBroker"
+                f"Relay.from_broker() needs a broker that sends through the outbox to RabbitMQ (OutboxBroker), "
+                f"got {type(broker).__name__!r}; build your broker with dramatiq_reliable.OutboxBroker"
             )
-        options.setdefault("schema", broker.schema)
-        options.setdefault("max_priority", broker.max_priority)
-        return cls(parameters=broker.parameters, database=broker.database, **options)
+        options.setdefault("schema", backed.schema)
+        options.setdefault("max_priority", backed.max_priority)
+        return cls(parameters=backed.parameters, database=backed.database, **options)
 
     # -- one pass --------------------------------------------------------------------------
 
@@ -730,7 +732,7 @@ def purge_published(database: DatabaseLike, *, schema: str, older_than_ms: int, 
     database = Database.of(database)
     if isinstance(older_than_ms, bool) or not isinstance(older_than_ms, int) or older_than_ms < 0:
         raise ConfigurationError(f"older_than_ms must be a non-negative int, got {older_than_ms!r}")
-    if not _is_int(batch_size) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ConfigurationError(f"batch_size must be a positive int, got {batch_size!r}")
     total = 0
     while True:
@@ -768,9 +770,11 @@ class WorkerRelay(Middleware):
         self._thread: threading.Thread | None = None
 
     def after_worker_boot(self, broker: Broker, worker: Any) -> None:
-        if not isinstance(broker, OutboxBroker):
+        if _outbox_broker(broker) is None:
             logger.error(
-                "WorkerRelay needs an OutboxBroker, got %s; no relay runs in this worker", type(broker).__name__
+                "WorkerRelay needs a broker that sends through the outbox (OutboxBroker), got %s; no relay runs "
+                "in this worker",
+                type(broker).__name__,
             )
             return
         self.relay = Relay.from_broker(broker, **self.relay_options)
@@ -787,3 +791,11 @@ class WorkerRelay(Middleware):
             self._thread.join(timeout=(2 * options.confirm_timeout_ms + options.statement_timeout_ms) / 1000 + 5)
             self.relay = None
             self._thread = None
+
+
+def _outbox_broker(broker: object) -> Any:
+    """``broker`` if its sends go to the outbox and it has RabbitMQ parameters to publish with, else ``None``."""
+    backed = postgres_backed(broker)
+    if backed is None or backed.sends_to != "outbox" or not isinstance(broker, RabbitmqBroker):
+        return None
+    return broker

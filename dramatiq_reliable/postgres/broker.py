@@ -9,32 +9,27 @@ Moving to RabbitMQ later is one line: build an ``OutboxBroker`` instead (docs/po
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import itertools
 import logging
 import random
-import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import psycopg
 from dramatiq.broker import Broker, MessageProxy
-from dramatiq.common import current_millis, dq_name, q_name, xq_name
+from dramatiq.common import q_name, xq_name
 from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware, Retries
-from dramatiq.worker import WorkerThread
-from psycopg_pool import PoolTimeout
 
 from .. import _sql, schema
-from .._util import check_ms, first_line
-from ..database import Database, DatabaseLike
-from ..errors import ConfigurationError, NotBound, OutboxWriteError, PayloadError, SchemaNotReady
-from ..outbox.binding import bound_connection, bound_transaction
-from ..outbox.broker import Unbound
+from .._checks import check_int, check_ms
+from ..backing import SendsTo
+from ..binding import bound_connection
+from ..database import DatabaseLike
+from ..errors import ConfigurationError
 from ..retries import ClassifiedRetries
+from ..sending import DEFAULT_PAYLOAD_LIMIT_BYTES, Row, RowSending, TrackProcessing, Unbound, processing_message
 from . import queue, retention
 from .consumer import Listener, PostgresConsumer, PostgresMessage
 from .lease import Leases
@@ -48,7 +43,7 @@ logger = logging.getLogger("dramatiq_reliable.postgres")
 DEFAULT_DEAD_MESSAGE_TTL_MS = 7 * 86_400_000
 
 
-class PostgresBroker(Broker):
+class PostgresBroker(RowSending, Broker):
     """A Dramatiq broker whose queues are rows of the ``queue`` table in our schema.
 
     Where a message goes when it is sent:
@@ -81,6 +76,8 @@ class PostgresBroker(Broker):
       schema: the Postgres schema holding the tables (``dramatiq-reliable migrate``).
       on_unbound: ``"autocommit"`` or ``"error"``, see above.
       max_payload_bytes: encoded size above which a send logs a warning; ``None`` disables it.
+      payload_limit_bytes: encoded size above which a send is refused with ``PayloadError``
+        (default 16 MiB); ``None`` disables it.
       worker_write_timeout_ms: how long a send made inside a worker keeps trying while
         Postgres is unreachable.
       pool_max_size: connections in the pool the broker creates from a URL; give it the
@@ -99,6 +96,10 @@ class PostgresBroker(Broker):
     ...     send_receipt.send(42)
     """
 
+    sends_to: ClassVar[SendsTo] = "queue"
+    table: ClassVar[str] = "queue"
+    required_version: ClassVar[int] = schema.QUEUE_VERSION
+
     def __init__(
         self,
         *,
@@ -106,6 +107,7 @@ class PostgresBroker(Broker):
         schema: str = _sql.DEFAULT_SCHEMA,
         on_unbound: Unbound = "autocommit",
         max_payload_bytes: int | None = 64 * 1024,
+        payload_limit_bytes: int | None = DEFAULT_PAYLOAD_LIMIT_BYTES,
         worker_write_timeout_ms: int = 30_000,
         pool_max_size: int = 16,
         lease_ms: int = 30_000,
@@ -114,13 +116,6 @@ class PostgresBroker(Broker):
         dead_message_ttl_ms: int = DEFAULT_DEAD_MESSAGE_TTL_MS,
         middleware: list[Middleware] | None = None,
     ) -> None:
-        if on_unbound not in ("autocommit", "error"):
-            raise ConfigurationError(f"on_unbound must be 'autocommit' or 'error', got {on_unbound!r}")
-        if max_payload_bytes is not None and (
-            isinstance(max_payload_bytes, bool) or not isinstance(max_payload_bytes, int) or max_payload_bytes <= 0
-        ):
-            raise ConfigurationError(f"max_payload_bytes must be a positive int or None, got {max_payload_bytes!r}")
-        check_ms("worker_write_timeout_ms", worker_write_timeout_ms, fix="e.g. worker_write_timeout_ms=30000")
         check_ms("lease_ms", lease_ms, minimum=100, fix="e.g. lease_ms=30000")
         if heartbeat_ms is None:
             heartbeat_ms = max(50, lease_ms // 3)
@@ -130,22 +125,23 @@ class PostgresBroker(Broker):
                 f"heartbeat_ms={heartbeat_ms!r} must be shorter than lease_ms={lease_ms!r}, or leases lapse "
                 "while their jobs run; give it a third of lease_ms or less"
             )
-        if isinstance(claim_batch_size, bool) or not isinstance(claim_batch_size, int) or claim_batch_size < 1:
-            raise ConfigurationError(f"claim_batch_size must be a positive int, got {claim_batch_size!r}")
+        check_int("claim_batch_size", claim_batch_size, minimum=1, fix="e.g. claim_batch_size=100")
         check_ms("dead_message_ttl_ms", dead_message_ttl_ms, minimum=1, fix="e.g. 7 days, 604800000")
-        self.schema = _sql.validate_schema(schema)
-        self.database = Database.of(database, max_size=pool_max_size)
-        self.on_unbound: Unbound = on_unbound
-        self.max_payload_bytes = max_payload_bytes
-        self.worker_write_timeout_ms = worker_write_timeout_ms
+        self._init_sending(
+            database=database,
+            schema=schema,
+            on_unbound=on_unbound,
+            max_payload_bytes=max_payload_bytes,
+            payload_limit_bytes=payload_limit_bytes,
+            worker_write_timeout_ms=worker_write_timeout_ms,
+            pool_max_size=pool_max_size,
+        )
         self.lease_ms = lease_ms
         self.heartbeat_ms = heartbeat_ms
         self.claim_batch_size = claim_batch_size
         self.dead_message_ttl_ms = dead_message_ttl_ms
         # Lease tokens: distinct per claim, and per process with overwhelming likelihood.
         self._lease_tokens = itertools.count(random.getrandbits(62) + 1)
-        self._checked_schema = False
-        self._check_lock = threading.Lock()
         self.listener = Listener(self.database, self.schema)
         self.leases = Leases(
             self.database,
@@ -160,27 +156,12 @@ class PostgresBroker(Broker):
         # The tracker comes first (its before-hook runs before any other), the settler right
         # before the retry middleware (its after-hook runs after the retry decision and before
         # Idempotency commits the job's transaction).
-        tracker = _TrackMessage()
-        if self.middleware:
-            self.add_middleware(tracker, before=type(self.middleware[0]))
-        else:
-            self.add_middleware(tracker)
+        TrackProcessing.install(self)
         retries = [m for m in self.middleware if isinstance(m, (Retries, ClassifiedRetries))]
         if retries:
             self.add_middleware(_AckInJobTransaction(), before=type(retries[-1]))
         else:
             self.add_middleware(_AckInJobTransaction())
-
-    # -- binding ---------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[psycopg.Connection[Any]]:
-        """Open a pooled connection and transaction, and bind it for ``send()``.
-
-        The transaction commits when the block exits normally and rolls back when it raises.
-        """
-        with bound_transaction(self.database) as conn:
-            yield conn
 
     def close(self) -> None:
         """Stop the listener and heartbeat (acks still pending are written) and close the pool it created."""
@@ -248,106 +229,42 @@ class PostgresBroker(Broker):
 
     # -- sending ---------------------------------------------------------------------------------
 
-    def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
-        """Write ``message`` as a queue row (see the class docstring for which transaction)."""
-        if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int) or delay < 0):
-            raise ConfigurationError(f"delay must be a non-negative int of milliseconds, got {delay!r}")
-        canonical = q_name(message.queue_name)
-        if delay is not None:
-            message = message.copy(queue_name=dq_name(canonical), options={"eta": current_millis() + delay})
-        priority = _priority(message)
-        self._encode(message)
-        self.declare_queue(canonical)
-        self.emit_before("enqueue", message, delay)
-        # Encoded again: before_enqueue hooks may have added options (trace context).
-        body = self._encode(message, warn=False)
-        eta = message.options.get("eta")
-        row = {
-            "queue_name": canonical,
-            "message_id": message.message_id,
-            "actor_name": message.actor_name,
-            "body": body,
-            "priority": priority,
-            "eta_ms": int(eta) if isinstance(eta, (int, float)) and not isinstance(eta, bool) else None,
-        }
-        self._write(message, row)
-        self.emit_after("enqueue", message, delay)
-        return message
+    def _row(self, message: Message[Any], canonical: str, body: bytes) -> Row:
+        # One queue per name: a delayed message waits in its own queue until available_at.
+        row = super()._row(message, canonical, body)
+        row["queue_name"] = canonical
+        row["priority"] = row["priority"] or 0
+        return row
 
-    def _encode(self, message: Message[Any], *, warn: bool = True) -> bytes:
-        try:
-            body = message.encode()
-        except Exception as error:
-            raise PayloadError(
-                f"message {message.message_id!r} for actor {message.actor_name!r} cannot be encoded: {error}; "
-                "send only JSON-serialisable arguments (IDs, strings, numbers), not objects"
-            ) from error
-        if warn and self.max_payload_bytes is not None and len(body) > self.max_payload_bytes:
-            logger.warning(
-                "message %s for actor %r is %d bytes, over max_payload_bytes=%d; payloads should carry IDs, "
-                "not objects (load the record in the actor)",
-                message.message_id,
-                message.actor_name,
-                len(body),
-                self.max_payload_bytes,
-            )
-        return body
+    def _insert(self, conn: psycopg.Connection[Any], row: Row) -> None:
+        queue.insert(
+            conn,
+            self.schema,
+            queue_name=row["queue_name"],
+            message_id=row["message_id"],
+            actor_name=row["actor_name"],
+            body=row["body"],
+            priority=row["priority"] or 0,
+            eta_ms=row["eta_ms"],
+        )
 
-    def _write(self, message: Message[Any], row: dict[str, Any]) -> None:
-        conn = bound_connection()
-        if conn is not None:
-            self._execute(conn, row)
-            return
-        in_worker = isinstance(threading.current_thread(), WorkerThread)
-        if self.on_unbound == "error" and not in_worker:
-            raise NotBound(
-                f"send() of actor {message.actor_name!r} outside a transaction; wrap it in "
-                "'with broker.transaction():' or 'with bind(conn):', or build the broker with on_unbound='autocommit'"
-            )
-        held = _processing.get() if in_worker else None
-        if held is not None and (
-            held.settled or held.message_id != message.message_id or held.queue_name != row["queue_name"]
+    def _held(self, message: Message[Any], row: Row) -> PostgresMessage | None:
+        """The queue row this worker thread holds, when ``message`` is its retry."""
+        held = processing_message()
+        if (
+            isinstance(held, PostgresMessage)
+            and not held.settled
+            and held.message_id == message.message_id
+            and held.queue_name == row["queue_name"]
         ):
-            held = None
-        # Autocommit on a pooled connection.  A worker keeps trying for a while (the message it
-        # runs would otherwise be acked without its retry); elsewhere the caller sees the error.
-        deadline = time.monotonic() + (self.worker_write_timeout_ms / 1000 if in_worker else 0)
-        pause = 0.05
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                with queue.pooled(self.database, timeout_ms=5000 if in_worker else None) as pooled:
-                    if held is not None and self._retry_in_place(pooled, held, row):
-                        return
-                    self._execute(pooled, row)
-                return
-            except (OutboxWriteError, PoolTimeout, psycopg.OperationalError) as error:
-                cause = error.__cause__ if isinstance(error, OutboxWriteError) else error
-                transient = isinstance(cause, (psycopg.OperationalError, PoolTimeout))
-                if not transient or (attempt >= 2 and time.monotonic() >= deadline):
-                    if held is not None:
-                        # Leave the message to its lease rather than ack it without its retry.
-                        held.settled = True
-                        logger.critical(
-                            "could not write the retry of message %s; it is not acked and runs again when its "
-                            "lease ends",
-                            message.message_id,
-                        )
-                    if isinstance(error, OutboxWriteError):
-                        raise
-                    raise self._write_error(row, error) from error
-                if attempt >= 2:
-                    logger.warning(
-                        "queue write of message %s failed (%s); retrying in %.2fs",
-                        message.message_id,
-                        type(cause).__name__,
-                        pause,
-                    )
-                    time.sleep(pause)
-                    pause = min(pause * 2, 2.0)
+            return held
+        return None
 
-    def _retry_in_place(self, conn: psycopg.Connection[Any], held: PostgresMessage, row: dict[str, Any]) -> bool:
+    def _write_held(self, conn: psycopg.Connection[Any], message: Message[Any], row: Row) -> bool:
+        # A retry turns the held row into its own retry in one statement.
+        held = self._held(message, row)
+        if held is None:
+            return False
         if not self._checked_schema:
             self._check_schema(conn)
         done = queue.retry_in_place(
@@ -356,7 +273,7 @@ class PostgresBroker(Broker):
             row_id=held.row_id,
             lease=held.lease,
             body=row["body"],
-            priority=row["priority"],
+            priority=row["priority"] or 0,
             eta_ms=row["eta_ms"],
         )
         if done:
@@ -364,68 +281,17 @@ class PostgresBroker(Broker):
             self.leases.forget(held.row_id)
         return done
 
-    def _execute(self, conn: psycopg.Connection[Any], row: dict[str, Any]) -> None:
-        if not self._checked_schema:
-            self._check_schema(conn)
-        try:
-            queue.insert(conn, self.schema, **row)
-        except psycopg.errors.UndefinedTable as error:
-            self._checked_schema = False
-            raise SchemaNotReady(
-                f"queue table {self.schema!r}.'queue' does not exist; run 'dramatiq-reliable migrate'"
-            ) from error
-        except psycopg.Error as error:
-            raise self._write_error(row, error) from error
-
-    def _write_error(self, row: dict[str, Any], error: BaseException) -> OutboxWriteError:
-        return OutboxWriteError(
-            f"could not write message {row['message_id']!r} to queue {row['queue_name']!r} in schema "
-            f"{self.schema!r}: {type(error).__name__}: {first_line(error)}; the message was not sent, check the "
-            "database connection and retry the transaction"
-        )
-
-    def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
-        with self._check_lock:
-            try:
-                schema.ensure_ready(conn, schema=self.schema, required=schema.QUEUE_VERSION, feature="Postgres queues")
-            except psycopg.Error as error:
-                raise OutboxWriteError(
-                    f"could not check the queue schema {self.schema!r}: {type(error).__name__}: {first_line(error)}; "
-                    "check the database connection"
-                ) from error
-            self._checked_schema = True
-
-
-def _priority(message: Message[Any]) -> int:
-    priority = message.options.get("broker_priority")
-    if priority is None:
-        return 0
-    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 255:
-        raise PayloadError(
-            f"message {message.message_id!r} for actor {message.actor_name!r} has broker_priority={priority!r}; "
-            "priorities are ints from 0 to 255 (higher runs first), as in RabbitMQ"
-        )
-    return priority
-
-
-_processing: contextvars.ContextVar[PostgresMessage | None] = contextvars.ContextVar(
-    "dramatiq_reliable_postgres_processing", default=None
-)
-
-
-class _TrackMessage(Middleware):
-    """Remembers the queue row a worker thread runs, so its retry can replace it in place."""
-
-    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        _processing.set(message if isinstance(message, PostgresMessage) else None)
-
-    def after_process_message(
-        self, broker: Broker, message: MessageProxy, *, result: Any = None, exception: BaseException | None = None
-    ) -> None:
-        _processing.set(None)
-
-    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
-        _processing.set(None)
+    def _worker_gave_up(self, message: Message[Any]) -> None:
+        held = processing_message()
+        if isinstance(held, PostgresMessage) and not held.settled and held.message_id == message.message_id:
+            # Leave the message to its lease rather than ack it without its retry.
+            held.settled = True
+            logger.critical(
+                "could not write the retry of message %s; it is not acked and runs again when its lease ends",
+                message.message_id,
+            )
+            return
+        super()._worker_gave_up(message)
 
 
 class _AckInJobTransaction(Middleware):

@@ -27,10 +27,11 @@ import psycopg
 from psycopg.rows import dict_row
 
 from .. import _sql, schema
+from ..backing import SendsTo
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError, ScheduleDisabled, ScheduleNotFound
 from ..outbox.wake import wake_relays
-from .loop import Target, add_tick, empty_ticks, tick_message, tick_message_id
+from .loop import add_tick, empty_ticks, tick_message, tick_message_id
 from .spec import Schedule, explain
 
 __all__ = ["ScheduleStatus", "list_schedules", "pause_schedule", "resume_schedule", "trigger_schedule"]
@@ -151,7 +152,7 @@ def resume_schedule(database: DatabaseLike, name: str, *, schema: str = _sql.DEF
 
 
 def trigger_schedule(
-    database: DatabaseLike, name: str, *, schema: str = _sql.DEFAULT_SCHEMA, target: Target = "outbox"
+    database: DatabaseLike, name: str, *, schema: str = _sql.DEFAULT_SCHEMA, target: SendsTo = "outbox"
 ) -> str:
     """Fire one run of ``name`` now, through the outbox, and return its message id.
 

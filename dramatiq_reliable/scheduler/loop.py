@@ -16,7 +16,7 @@ import random
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import psycopg
 from dramatiq.broker import Broker
@@ -27,16 +27,13 @@ from psycopg_pool import PoolTimeout
 
 from .. import _sql, events, schema
 from .._util import first_line
+from ..backing import SENDS_TO, SendsTo, backing_of
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError, SchemaNotReady
 from ..outbox.wake import wake_relays
 from .policies import plan
 from .registry import Registry, default_registry
 from .spec import Schedule
-
-#: Where a tick's message is written: the outbox (a relay publishes it to RabbitMQ) or the
-#: queue table of a PostgresBroker.
-Target = Literal["outbox", "queue"]
 
 __all__ = ["ScheduleTickSkipped", "ScheduleTicksMissed", "Scheduler", "SchedulerPass", "tick_message_id"]
 
@@ -108,9 +105,9 @@ class Scheduler:
         registry: Registry | None = None,
         batch_size: int = 500,
         poll_interval_ms: int = 1000,
-        target: Target = "outbox",
+        target: SendsTo = "outbox",
     ) -> None:
-        if target not in ("outbox", "queue"):
+        if target not in SENDS_TO:
             raise ConfigurationError(
                 f"target must be 'outbox' or 'queue', got {target!r}; or build it with Scheduler.from_broker(broker)"
             )
@@ -124,7 +121,7 @@ class Scheduler:
         self.registry = registry if registry is not None else default_registry
         self.batch_size = batch_size
         self.poll_interval_s = poll_interval_ms / 1000
-        self.target: Target = target
+        self.target: SendsTo = target
         self._stop = threading.Event()
         self._checked = False
 
@@ -134,23 +131,14 @@ class Scheduler:
 
         ``PostgresBroker``: ticks go into its queue table; ``OutboxBroker``: into the outbox.
         """
-        from ..outbox.broker import OutboxBroker
-        from ..postgres.broker import PostgresBroker
-
         for taken in ("database", "schema", "target"):
             if taken in options:
                 raise ConfigurationError(
                     f"Scheduler.from_broker takes {taken}= from the broker; drop it, or build Scheduler(...) directly"
                 )
         # The broker's Database is shared: close() leaves it open.
-        if isinstance(broker, PostgresBroker):
-            return cls(database=broker.database, schema=broker.schema, target="queue", **options)
-        if isinstance(broker, OutboxBroker):
-            return cls(database=broker.database, schema=broker.schema, target="outbox", **options)
-        raise ConfigurationError(
-            f"the scheduler needs an OutboxBroker or a PostgresBroker, got {type(broker).__name__}; "
-            "build Scheduler(database=..., schema=...) to write into the outbox"
-        )
+        backing = backing_of(broker, needed_by="Scheduler.from_broker()")
+        return cls(database=backing.database, schema=backing.schema, target=backing.sends_to, **options)
 
     # -- sync ---------------------------------------------------------------------------------
 

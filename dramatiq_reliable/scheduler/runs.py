@@ -16,6 +16,7 @@ from dramatiq.broker import Broker, MessageProxy
 
 from .. import _sql
 from .._util import first_line, redact
+from ..backing import backing_of
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError
 
@@ -121,14 +122,8 @@ class ScheduleRuns(Middleware):
         return True
 
     def _target(self, broker: Broker) -> tuple[Database, str]:
-        database = self._database if self._database is not None else getattr(broker, "database", None)
-        schema_name = self._schema if self._schema is not None else getattr(broker, "schema", None)
-        if not isinstance(database, Database) or not isinstance(schema_name, str):
-            raise ConfigurationError(
-                f"ScheduleRuns found no database on {type(broker).__name__}; "
-                "give it database= and schema=, or use OutboxBroker or PostgresBroker"
-            )
-        return database, schema_name
+        backing = backing_of(broker, needed_by="ScheduleRuns", database=self._database, schema=self._schema)
+        return backing.database, backing.schema
 
 
 def _scheduled(message: MessageProxy) -> bool:

@@ -21,8 +21,8 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 
 from .._sql import DEFAULT_SCHEMA
+from ..backing import postgres_backed
 from ..health import Health, HealthMonitor, QueueDepths, QueueHealth
-from ..outbox.broker import OutboxBroker
 from . import semconv as names
 
 __all__ = ["HealthGauges", "Instruments"]
@@ -92,7 +92,7 @@ class HealthGauges:
     """Observable gauges of the outbox backlog and its oldest row, pending dead letters and queue depth.
 
     The reading is built on first collection from the broker Tracing last saw (an
-    :class:`~dramatiq_reliable.OutboxBroker` gives Postgres, a ``RabbitmqBroker`` the depths), so
+    Postgres-backed broker gives Postgres, a ``RabbitmqBroker`` the depths), so
     the gauges cost nothing in a process that never collects.  While a service is unreachable
     its gauges report nothing rather than a misleading zero.
 
@@ -162,10 +162,8 @@ class HealthGauges:
         return monitor.get() if monitor is not None else None
 
     def _build_monitor(self, broker: Broker) -> HealthMonitor | None:
-        if isinstance(broker, OutboxBroker):
-            database, schema_name = broker.database, broker.schema
-        else:
-            database, schema_name = None, DEFAULT_SCHEMA
+        backed = postgres_backed(broker)
+        database, schema_name = (backed.database, backed.schema) if backed is not None else (None, DEFAULT_SCHEMA)
         depths = None
         if self._queue_depth and isinstance(broker, RabbitmqBroker):
             depths = QueueDepths(parameters=broker.parameters)

@@ -14,7 +14,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.propagators.textmap import TextMapPropagator
 
 from .. import events
-from .._util import check_ms
+from .._checks import check_ms
 from ..errors import ConfigurationError
 from .bridge import EventBridge
 from .metrics import HealthGauges, Instruments

@@ -16,7 +16,7 @@ from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.trace import SpanContext
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from .._util import is_int
+from .._checks import is_int
 
 __all__ = [
     "PREVIOUS_ATTEMPT_KEY",

@@ -33,8 +33,9 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from .._util import is_int, type_name
-from ..outbox.broker import OutboxBroker
+from .._checks import is_int
+from .._util import type_name
+from ..backing import postgres_backed
 from . import propagation
 from . import semconv as names
 from .metrics import Instruments
@@ -168,7 +169,10 @@ class SpanRecorder:
             parent: otel_context.Context | None = propagation.hop_parent(options, creation) or otel_context.Context()
         else:
             # Into the outbox it is created, not yet sent; other brokers publish right away.
-            operation = names.OPERATION_CREATE if isinstance(broker, OutboxBroker) else names.OPERATION_SEND
+            backed = postgres_backed(broker)
+            operation = (
+                names.OPERATION_CREATE if backed is not None and backed.sends_to == "outbox" else names.OPERATION_SEND
+            )
             kind = SpanKind.PRODUCER
             parent = None  # the caller's context: the request, or the attempt that retries
             inject = creation_sc is None

@@ -13,9 +13,10 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import psycopg
+from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.common import q_name
 from psycopg_pool import PoolTimeout
 from starlette.applications import Starlette
@@ -27,7 +28,9 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import _sql
-from .._util import check_ms, redact
+from .._checks import check_ms
+from .._util import redact
+from ..backing import SENDS_TO, SendsTo, postgres_backed
 from ..dead_letters import DEFAULT_REPLAY_MAX_AGE_MS, PostgresDeadLetterStore
 from ..errors import ConfigurationError, SchemaNotReady
 from ..health import QueueDepths, _is_queue_name
@@ -52,7 +55,7 @@ def create_app(
     hide_args: bool = False,
     statement_timeout_ms: int = 2000,
     broker: Any = None,
-    target: Literal["outbox", "queue"] | None = None,
+    target: SendsTo | None = None,
     rabbitmq_url: str | None = None,
     queues: Iterable[str] = (),
     replay_max_age_ms: int | None = DEFAULT_REPLAY_MAX_AGE_MS,
@@ -89,27 +92,25 @@ def create_app(
     >>> app = Starlette()                                                            # doctest: +SKIP
     >>> app.mount("/jobs", create_app("postgresql://app@localhost/app"))             # doctest: +SKIP
     """
-    from ..outbox.broker import OutboxBroker
-    from ..postgres.broker import PostgresBroker
-
-    if broker is not None and not isinstance(broker, (OutboxBroker, PostgresBroker)):
+    backed = postgres_backed(broker)
+    if broker is not None and backed is None:
         raise ConfigurationError(
-            f"broker= must be an OutboxBroker or a PostgresBroker, got {type(broker).__name__!r}; "
-            "or pass database= and target= instead"
+            f"broker= must be a Postgres-backed broker (OutboxBroker or PostgresBroker), got "
+            f"{type(broker).__name__!r}; or pass database= and target= instead"
         )
     if database is None:
-        if broker is None:
+        if backed is None:
             raise ConfigurationError(
                 "create_app() needs database= (a Postgres URL, a pool or a Database) or broker=; "
                 "for example create_app('postgresql://app@localhost/app')"
             )
-        database = broker.database
+        database = backed.database
     if schema is None:
-        schema = broker.schema if broker is not None else _sql.DEFAULT_SCHEMA
+        schema = backed.schema if backed is not None else _sql.DEFAULT_SCHEMA
     _sql.validate_schema(schema)
     if target is None:
-        target = "queue" if isinstance(broker, PostgresBroker) else "outbox"
-    if target not in ("outbox", "queue"):
+        target = backed.sends_to if backed is not None else "outbox"
+    if target not in SENDS_TO:
         raise ConfigurationError(f"target must be 'outbox' (OutboxBroker) or 'queue' (PostgresBroker), got {target!r}")
     check_ms("statement_timeout_ms", statement_timeout_ms, minimum=1, fix="e.g. statement_timeout_ms=2000")
     check_ms("replay_max_age_ms", replay_max_age_ms, allow_none=True, fix="e.g. 7 days = 604800000, or None")
@@ -132,7 +133,7 @@ def create_app(
     rabbitmq: QueueDepths | None = None
     if rabbitmq_url is not None:
         rabbitmq = QueueDepths(rabbitmq_url=rabbitmq_url, timeout_ms=statement_timeout_ms)
-    elif isinstance(broker, OutboxBroker):
+    elif isinstance(broker, RabbitmqBroker):
         rabbitmq = QueueDepths(parameters=broker.parameters)
 
     acting = action_database(database)

@@ -6,16 +6,15 @@ import dataclasses
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
+from ..backing import SendsTo
 from ..dead_letters import PostgresDeadLetterStore
 from ..health import QueueDepths
 from .access import AccessHook
 from .pools import ReadPool
 
 __all__ = ["Settings"]
-
-Target = Literal["outbox", "queue"]
 
 
 @dataclasses.dataclass
@@ -32,7 +31,7 @@ class Settings:
     actions: PostgresDeadLetterStore
     access: AccessHook | None
     hide_args: bool
-    target: Target
+    target: SendsTo
     replay_max_age_ms: int | None
     rabbitmq: QueueDepths | None
     queues: Sequence[str]

@@ -235,7 +235,9 @@ def test_worker_scheduler_refuses_options_the_broker_owns() -> None:
 
 
 def test_from_broker_refuses_a_broker_without_postgres() -> None:
-    with pytest.raises(ConfigurationError, match="needs an OutboxBroker or a PostgresBroker, got StubBroker"):
+    with pytest.raises(
+        ConfigurationError, match=r"Scheduler\.from_broker\(\) has no database on a StubBroker; pass database="
+    ):
         Scheduler.from_broker(StubBroker())
     with pytest.raises(ConfigurationError, match="target must be 'outbox' or 'queue'"):
         Scheduler(database="postgresql://x", target="rabbit")  # type: ignore[arg-type]

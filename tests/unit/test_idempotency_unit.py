@@ -220,7 +220,7 @@ def test_a_plain_broker_without_a_database_is_refused_at_decoration():
     stub = StubBroker()
     stub.add_middleware(Idempotency())
     try:
-        with pytest.raises(ActorOptionError, match="pass database=, or use .*OutboxBroker"):
+        with pytest.raises(ActorOptionError, match="pass database=.*Postgres-backed broker"):
 
             @dramatiq.actor(broker=stub)
             def task() -> None: ...

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from dramatiq_reliable import ConfigurationError, OutboxBroker, Relay, bind, schema
 from dramatiq_reliable._sql import compose, validate_schema
+from dramatiq_reliable.binding import bound_connection
 from dramatiq_reliable.cli.common import duration_ms as _duration_ms
 from dramatiq_reliable.database import Database
 from dramatiq_reliable.outbox import wake
-from dramatiq_reliable.outbox.binding import bound_connection
 
 
 def test_bind_rejects_what_is_not_a_psycopg_connection_and_says_what_to_pass():
@@ -43,7 +43,7 @@ def test_schema_names_are_quoted_identifiers_never_text():
     ("kwargs", "fix"),
     [
         ({"on_unbound": "drop"}, "on_unbound must be 'autocommit' or 'error'"),
-        ({"max_payload_bytes": 0}, "max_payload_bytes must be a positive int"),
+        ({"max_payload_bytes": 0}, "max_payload_bytes must be an int >= 1"),
         ({"schema": ""}, "schema must be a non-empty string"),
     ],
 )
@@ -82,7 +82,7 @@ def test_relay_validates_its_arguments(kwargs, fix):
 def test_relay_from_broker_needs_an_outbox_broker():
     from dramatiq.brokers.stub import StubBroker
 
-    with pytest.raises(ConfigurationError, match="needs an OutboxBroker"):
+    with pytest.raises(ConfigurationError, match="needs a broker that sends through the outbox"):
         Relay.from_broker(StubBroker())  # type: ignore[arg-type]
 
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from ..errors import ConfigurationError
+from .errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from ..database import Database
+    from .database import Database
 
 __all__ = ["bind", "bound_connection", "bound_transaction"]
 

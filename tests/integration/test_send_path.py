@@ -1,0 +1,106 @@
+"""One send path for every Postgres-backed broker: the same refusals, before any SQL, on both.
+
+A refused send raises ``PayloadError`` in the caller and leaves the caller's transaction as it
+was: the business row written before it and a good send after it both commit.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+from dramatiq.common import current_millis
+
+from dramatiq_reliable import OutboxBroker, PayloadError, PostgresBroker
+from dramatiq_reliable.sending import MAX_ETA_MS
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(params=["outbox", "queue"])
+def row_broker(request: pytest.FixtureRequest, database_url: str, rabbitmq_url: str, db_schema: str) -> Iterator[Any]:
+    if request.param == "outbox":
+        broker: Any = OutboxBroker(url=rabbitmq_url, database=database_url, schema=db_schema)
+    else:
+        broker = PostgresBroker(database=database_url, schema=db_schema)
+    yield broker
+    broker.close()
+
+
+def _rows(db: psycopg.Connection[Any], schema: str, table: str) -> list[tuple[Any, ...]]:
+    return db.execute(
+        psycopg.sql.SQL("SELECT message_id FROM {}.{}").format(
+            psycopg.sql.Identifier(schema), psycopg.sql.Identifier(table)
+        )
+    ).fetchall()
+
+
+@pytest.mark.parametrize(
+    ("options", "fix"),
+    [
+        ({"delay": 10**16}, "9999"),
+        ({"delay": -1}, "non-negative int of milliseconds"),
+        ({"delay": True}, "non-negative int of milliseconds"),
+        ({"delay": 1.5}, "non-negative int of milliseconds"),
+        ({"delay": float("inf")}, "non-negative int of milliseconds"),
+        ({"eta": "tomorrow"}, "Unix timestamp in milliseconds"),
+        ({"eta": True}, "Unix timestamp in milliseconds"),
+        ({"eta": float("nan")}, "Unix timestamp in milliseconds"),
+        ({"eta": float("inf")}, "Unix timestamp in milliseconds"),
+        ({"eta": MAX_ETA_MS + 1}, "9999"),
+        ({"eta": -1}, "9999"),
+        ({"broker_priority": 256}, "0 to 255"),
+        ({"broker_priority": True}, "0 to 255"),
+        ({"broker_priority": "high"}, "0 to 255"),
+        ({"idempotency_key": "a\x00b"}, "NUL"),
+        ({"idempotency_key": "\ud800"}, "Unicode"),
+    ],
+)
+def test_a_bad_send_is_refused_before_any_sql_and_the_callers_transaction_commits(
+    row_broker: Any, db: psycopg.Connection[Any], db_schema: str, options: dict[str, Any], fix: str
+) -> None:
+    name = f"sp_{uuid.uuid4().hex[:8]}"
+    task = dramatiq.actor(lambda: None, actor_name=f"{name}_a", queue_name=name, broker=row_broker)
+    with row_broker.transaction() as conn:
+        conn.execute("CREATE TEMP TABLE business (x int)")
+        conn.execute("INSERT INTO business VALUES (1)")
+        with pytest.raises(PayloadError, match=fix):
+            task.send_with_options(**options)
+        good = task.send()
+        assert conn.execute("SELECT count(*) FROM business").fetchone() == (1,), "the business row is still there"
+    assert [row[0] for row in _rows(db, db_schema, row_broker.table)] == [good.message_id]
+
+
+def test_a_payload_over_the_limit_is_refused_and_one_over_the_warning_is_kept(
+    row_broker: Any, db: psycopg.Connection[Any], db_schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    row_broker.max_payload_bytes, row_broker.payload_limit_bytes = 1_000, 10_000
+    name = f"sp_{uuid.uuid4().hex[:8]}"
+    task = dramatiq.actor(lambda text: None, actor_name=f"{name}_a", queue_name=name, broker=row_broker)
+    with row_broker.transaction():
+        with pytest.raises(PayloadError, match="over payload_limit_bytes=10000; send IDs"):
+            task.send("x" * 20_000)
+        kept = task.send("x" * 2_000)
+    assert "over max_payload_bytes=1000" in caplog.text
+    assert [row[0] for row in _rows(db, db_schema, row_broker.table)] == [kept.message_id]
+
+
+def test_a_delayed_send_stores_its_eta_on_both_brokers(
+    row_broker: Any, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    name = f"sp_{uuid.uuid4().hex[:8]}"
+    task = dramatiq.actor(lambda: None, actor_name=f"{name}_a", queue_name=name, broker=row_broker)
+    before = current_millis()
+    sent = task.send_with_options(delay=3_600_000)
+    column = "eta" if row_broker.table == "outbox" else "available_at"
+    (due,) = db.execute(
+        psycopg.sql.SQL("SELECT (extract(epoch FROM {}) * 1000)::bigint FROM {}.{} WHERE message_id = %s").format(
+            psycopg.sql.Identifier(column), psycopg.sql.Identifier(db_schema), psycopg.sql.Identifier(row_broker.table)
+        ),
+        (sent.message_id,),
+    ).fetchone()
+    assert before + 3_600_000 <= due <= current_millis() + 3_600_000
