@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from dramatiq.errors import RateLimitExceeded, Retry
 
+from ._checks import check_ms, is_int
 from ._util import type_name as _type_name
 from .errors import ConfigurationError, Unrecoverable
 
@@ -117,10 +118,7 @@ class Decision:
             )
         for name in ("delay_ms", "retry_after_ms", "min_backoff_ms"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ConfigurationError(
-                    f"decision {name} must be a non-negative int of milliseconds or None, got {value!r}"
-                )
+            check_ms(f"decision {name}", value, allow_none=True)
 
     @classmethod
     def transient(
@@ -533,7 +531,7 @@ def _strong(
         return Decision.permanent("unrecoverable")
     if isinstance(link, Retry):
         delay = link.delay
-        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+        if not is_int(delay) or delay < 0:
             delay = None
         return Decision.transient("retry_requested", delay_ms=delay)
     for rule in rules:

@@ -16,6 +16,7 @@ from typing import Any, Union
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from ._checks import check_int, check_ms
 from .errors import ConfigurationError
 
 __all__ = ["Database", "DatabaseLike"]
@@ -76,10 +77,8 @@ class Database:
             )
         if url is not None and (not isinstance(url, str) or not url.strip()):
             raise ConfigurationError(f"url must be a non-empty string, got {type(url).__name__!r}")
-        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
-            raise ConfigurationError(f"max_size must be a positive int, got {max_size!r}")
-        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms <= 0:
-            raise ConfigurationError(f"timeout_ms must be a positive int of milliseconds, got {timeout_ms!r}")
+        check_int("max_size", max_size, minimum=1, fix="e.g. max_size=10")
+        check_ms("timeout_ms", timeout_ms, minimum=1, fix="e.g. timeout_ms=10000")
         self._owned = pool is None
         self._timeout_s = timeout_ms / 1000
         self._lock = threading.Lock()

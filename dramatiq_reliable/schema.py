@@ -21,6 +21,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.rows import dict_row
 
 from . import _sql
 from .errors import SchemaNotReady
@@ -150,15 +151,17 @@ def ensure_ready(conn: psycopg.Connection[Any], *, schema: str, required: int, f
 def _version(conn: psycopg.Connection[Any], schema: str) -> int | None:
     if not table_exists(conn, schema, "migrations"):
         return None
-    row = _sql.tuples(conn).execute(_sql.query("schema_version", schema)).fetchone()
-    return int(row[0]) if row and row[0] is not None else None
+    row = conn.cursor(row_factory=dict_row).execute(_sql.query("schema_version", schema)).fetchone()
+    return int(row["version"]) if row and row["version"] is not None else None
 
 
 def table_exists(conn: psycopg.Connection[Any], schema: str, table: str) -> bool:
     """Whether ``schema.table`` exists; never aborts the caller's transaction (``to_regclass``)."""
     name = sql.Identifier(schema, table).as_string(conn)
-    row = _sql.tuples(conn).execute(_sql.query("schema_table_exists", schema), {"table": name}).fetchone()
-    return bool(row and row[0])
+    row = (
+        conn.cursor(row_factory=dict_row).execute(_sql.query("schema_table_exists", schema), {"table": name}).fetchone()
+    )
+    return bool(row and row["found"])
 
 
 def _header(schema: str) -> sql.Composed:

@@ -35,6 +35,7 @@ from dramatiq.errors import ActorNotFound
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware, SkipMessage
 from psycopg import sql
+from psycopg.rows import dict_row
 
 from . import _sql, events
 from ._checks import check_ms, is_int
@@ -307,7 +308,7 @@ class Singleton(Middleware):
         try:
             with database.connection() as conn, autocommit(conn):
                 row = (
-                    _sql.tuples(conn)
+                    conn.cursor(row_factory=dict_row)
                     .execute(
                         _sql.query("singleton_acquire", schema),
                         {
@@ -321,8 +322,8 @@ class Singleton(Middleware):
                     .fetchone()
                 )
                 if row is not None:
-                    lease = Lease(key, int(row[0]), message.message_id, message.actor_name)
-                    if row[1]:
+                    lease = Lease(key, int(row["token"]), message.message_id, message.actor_name)
+                    if row["was_buffered"]:
                         conn.execute(_sql.query("singleton_clear_buffer", schema), {"key": key, "token": lease.token})
                     self._hold(lease)
                     return
@@ -411,8 +412,12 @@ class Singleton(Middleware):
                     return
             # A message is buffered (or the lease was lost): delete and send in one transaction.
             with database.connection() as conn, conn.transaction(), bind(conn):
-                row = conn.execute(_sql.query("singleton_release", schema), params).fetchone()
-                if row is not None and row[3] is not None:
+                row = (
+                    conn.cursor(row_factory=dict_row)
+                    .execute(_sql.query("singleton_release", schema), params)
+                    .fetchone()
+                )
+                if row is not None and row["buffered_body"] is not None:
                     self._send_buffered(broker, row)
         except Exception as error:
             events.emit(
@@ -422,10 +427,10 @@ class Singleton(Middleware):
             )
 
     @staticmethod
-    def _send_buffered(broker: Broker, row: tuple[Any, ...]) -> None:
-        # Inside the release's transaction, bound: on an OutboxBroker/PostgresBroker the send is a
+    def _send_buffered(broker: Broker, row: dict[str, Any]) -> None:
+        # Inside the release's transaction, bound: on a Postgres-backed broker the send is a
         # row of that transaction, so the lease goes and the message comes in one commit.
-        buffered = Message.decode(bytes(row[3]))
+        buffered = Message.decode(bytes(row["buffered_body"]))
         broker.enqueue(buffered)
 
     def _start_heartbeat(self, broker: Broker) -> None:
@@ -451,11 +456,15 @@ class Singleton(Middleware):
             return
         database, schema = self.database_for(broker)
         with database.connection() as conn, autocommit(conn):
-            rows = conn.execute(
-                _sql.query("singleton_renew", schema),
-                {"lease_ms": self.lease_ms, "keys": [h.key for h in held], "tokens": [h.token for h in held]},
-            ).fetchall()
-        renewed = {row[0] for row in rows}
+            rows = (
+                conn.cursor(row_factory=dict_row)
+                .execute(
+                    _sql.query("singleton_renew", schema),
+                    {"lease_ms": self.lease_ms, "keys": [h.key for h in held], "tokens": [h.token for h in held]},
+                )
+                .fetchall()
+            )
+        renewed = {row["key"] for row in rows}
         with self._lock:
             # A run that released its lease while the renewal ran is gone from _held (it is
             # dropped before the row is deleted): only leases still held here were taken over.
@@ -469,9 +478,13 @@ class Singleton(Middleware):
         """Hand on the buffered messages of lapsed leases (a dead holder's); returns how many."""
         database, schema = self.database_for(broker)
         with database.connection() as conn, conn.transaction(), bind(conn):
-            rows = conn.execute(_sql.query("singleton_sweep", schema), {"limit": _SWEEP_LIMIT}).fetchall()
+            rows = (
+                conn.cursor(row_factory=dict_row)
+                .execute(_sql.query("singleton_sweep", schema), {"limit": _SWEEP_LIMIT})
+                .fetchall()
+            )
             for row in rows:
-                self._send_buffered(broker, tuple(row))
+                self._send_buffered(broker, row)
         return len(rows)
 
 

@@ -48,8 +48,8 @@ from .events import (
 from .keys import payload_hash
 from .middleware import Idempotency
 from .protocol import IdempotencyStore, StoredKey
-from .purge import make_purge_actor, purge_expired
-from .store import PostgresIdempotencyStore
+from .purge import make_purge_actor
+from .store import PostgresIdempotencyStore, purge_expired
 
 __all__ = [
     "ActorOptionError",

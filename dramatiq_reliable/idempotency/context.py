@@ -13,6 +13,7 @@ from psycopg_pool import ConnectionPool
 
 from ..errors import NoCurrentJob
 from .keys import derive_external_key
+from .protocol import IdempotencyStore
 
 Mode = Literal["transactional", "record", "off"]
 MODES: tuple[Mode, ...] = ("transactional", "record", "off")
@@ -50,6 +51,8 @@ class Running:
     restore_autocommit: bool = False
     # the schema of the job's key, so helpers on the job connection (checkpoints) use the same one
     schema: str | None = None
+    # record mode: where the key is looked up before the run and recorded after it
+    store: IdempotencyStore | None = None
 
 
 # Before- and after-hooks of one message run in the same worker thread and context, so a

@@ -7,8 +7,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, NoReturn, cast
 
 import dramatiq
 import psycopg
@@ -20,6 +19,7 @@ from dramatiq.worker import ConsumerThread
 from psycopg_pool import PoolTimeout
 
 from .. import _sql, events
+from .._checks import check_choice, check_int, check_ms
 from .._util import first_line as _first_line
 from .._util import type_name
 from ..backing import backing_of
@@ -47,7 +47,6 @@ from ..retries import (
     retry_event,
 )
 from ..schema import IDEMPOTENCY_VERSION, ensure_ready
-from ._connections import autocommit
 from .context import MODES, Job, Mode, Running, current_running
 from .events import (
     IdempotencyCommitFailed,
@@ -58,7 +57,8 @@ from .events import (
     IdempotencyUnavailable,
 )
 from .keys import MAX_KEY_BYTES, check_storable, describe_message, payload_hash
-from .protocol import IdempotencyStore
+from .protocol import IdempotencyStore, StoredKey
+from .store import _FIRST_PAUSE_S, _MAX_PAUSE_S, PostgresIdempotencyStore, claim_key, read_key
 
 logger = logging.getLogger("dramatiq_reliable.idempotency")
 
@@ -70,12 +70,8 @@ DEFAULT_UNKNOWN_OUTCOME_BACKOFF_MS = 1000
 _MAX_UNKNOWN_OUTCOME_BACKOFF_MS = 60_000
 #: The message option counting those retries.
 UNKNOWN_OUTCOME_RETRIES_KEY = "unknown_outcome_retries"
+_RETENTION_FIX = "e.g. 7 days is 604_800_000"
 _OPTIONS = frozenset({"idempotency", "idempotency_key", "idempotency_retention_ms"})
-# Pauses between tries on fresh connections: a reset socket fails in microseconds, so the
-# first retry is quick; a server that is restarting gets up to a second between tries.
-_FIRST_PAUSE_S = 0.05
-_MAX_PAUSE_S = 1.0
-_T = TypeVar("_T")
 
 
 class _Swallowed(psycopg.errors.InFailedSqlTransaction):
@@ -160,35 +156,23 @@ class Idempotency(Middleware):
             )
         if default_mode is None:
             default_mode = "transactional" if store is None else "record"
-        if default_mode not in MODES:
-            raise ConfigurationError(f"default_mode must be one of {MODES!r}, got {default_mode!r}")
-        _check_retention("retention_ms", retention_ms, ConfigurationError)
-        if connection_timeout_ms is not None and (
-            isinstance(connection_timeout_ms, bool)
-            or not isinstance(connection_timeout_ms, int)
-            or connection_timeout_ms <= 0
-        ):
-            raise ConfigurationError(
-                f"connection_timeout_ms must be a positive int of milliseconds or None, got {connection_timeout_ms!r}"
-            )
-        if (
-            isinstance(unknown_outcome_retries, bool)
-            or not isinstance(unknown_outcome_retries, int)
-            or not (0 <= unknown_outcome_retries <= 1000)
-        ):
-            raise ConfigurationError(
-                f"unknown_outcome_retries must be an int from 0 to 1000, got {unknown_outcome_retries!r}; "
-                "0 dead-letters a commit whose outcome is unknown at once"
-            )
-        if (
-            isinstance(unknown_outcome_backoff_ms, bool)
-            or not isinstance(unknown_outcome_backoff_ms, int)
-            or not 1 <= unknown_outcome_backoff_ms <= _MAX_UNKNOWN_OUTCOME_BACKOFF_MS
-        ):
-            raise ConfigurationError(
-                f"unknown_outcome_backoff_ms must be an int of milliseconds from 1 to "
-                f"{_MAX_UNKNOWN_OUTCOME_BACKOFF_MS}, got {unknown_outcome_backoff_ms!r}; e.g. 1000"
-            )
+        check_choice("default_mode", default_mode, MODES)
+        check_ms("retention_ms", retention_ms, minimum=1, fix=_RETENTION_FIX)
+        check_ms("connection_timeout_ms", connection_timeout_ms, minimum=1, allow_none=True, fix="e.g. 10000")
+        check_int(
+            "unknown_outcome_retries",
+            unknown_outcome_retries,
+            minimum=0,
+            maximum=1000,
+            fix="0 dead-letters a commit whose outcome is unknown at once",
+        )
+        check_ms(
+            "unknown_outcome_backoff_ms",
+            unknown_outcome_backoff_ms,
+            minimum=1,
+            maximum=_MAX_UNKNOWN_OUTCOME_BACKOFF_MS,
+            fix="e.g. 1000",
+        )
         self.connection_timeout_ms = connection_timeout_ms
         self.unknown_outcome_retries = unknown_outcome_retries
         self.unknown_outcome_backoff_ms = unknown_outcome_backoff_ms
@@ -197,6 +181,7 @@ class Idempotency(Middleware):
         self.retention_ms = retention_ms
         self.store: IdempotencyStore | None = store
         self._own_database = Database.of(database) if database is not None else None
+        self._record_store: IdempotencyStore | None = None
         self._target: tuple[Database, str] | None = None
         self._schema_ready = False
         self._pool_open = False
@@ -241,10 +226,12 @@ class Idempotency(Middleware):
                 f"actor {actor.actor_name!r} has idempotency='off' and an idempotency_key; remove one of them"
             )
         if "idempotency_retention_ms" in options:
-            _check_retention(
+            check_ms(
                 f"actor {actor.actor_name!r}: idempotency_retention_ms",
                 options["idempotency_retention_ms"],
-                ActorOptionError,
+                minimum=1,
+                fix=_RETENTION_FIX,
+                error=ActorOptionError,
             )
 
     def job_for(self, broker: Broker, message: Message[Any] | MessageProxy) -> Job | None:
@@ -385,16 +372,14 @@ class Idempotency(Middleware):
         if job is None:
             return
         running = Running(job, message, payload_hash(message.args, message.kwargs), self._retention_s(actor))
-        if self.store is not None:
-            self._check_store(running, self.store)
-            running.token = current_running.set(running)
-            return
-        database, schema_name = self.database_for(broker)
-        running.schema = schema_name
         if job.mode == "transactional":
+            database, schema_name = self.database_for(broker)
+            running.schema = schema_name
             self._claim(running, database, schema_name)
         else:
-            self._check_recorded(running, database, schema_name)
+            running.store = self.record_store(broker)
+            running.schema = getattr(running.store, "schema", None)
+            self._check_recorded(running, running.store)
         running.token = current_running.set(running)
 
     def after_process_message(
@@ -417,7 +402,8 @@ class Idempotency(Middleware):
                 self._commit_failed(broker, message, running, error)
             return
         self._finish(running, commit=False)
-        self._record(running)
+        if running.store is not None:
+            self._record(running, running.store)
 
     # -- a commit that failed -----------------------------------------------------------------
 
@@ -568,7 +554,7 @@ class Idempotency(Middleware):
                     pause = min(pause * 2, _MAX_PAUSE_S)
                     continue
                 # Fail closed: only a MiddlewareError keeps the actor from running.
-                self._unavailable(job, error, schema_name)
+                self._unavailable(job, error, f"schema {schema_name!r}")
             except BaseException:  # a bug (made a MiddlewareError by the hook) or an interrupt
                 self._end_transaction(running, commit=False)
                 raise
@@ -580,7 +566,6 @@ class Idempotency(Middleware):
         """Borrow a connection, begin, claim the key; the stored row of a duplicate, else ``None``."""
         job = running.job
         params = _key_params(running)
-        claim = _sql.rendered("idempotency_claim", schema_name)
         conn = self._borrow(database, deadline)
         running.conn, running.pool = conn, database.pool
         if conn.autocommit:
@@ -594,11 +579,10 @@ class Idempotency(Middleware):
         # The key is the transaction's first statement: one round trip on the common path.
         # Only a conflict reads the stored row, in a second statement that sees the commit
         # it may have waited for; a key purged in between is simply claimed again.
-        cursor = _sql.tuples(conn)
         for _attempt in range(3):
-            if cursor.execute(claim, params).fetchone() is not None:
+            if claim_key(conn, schema_name, params):
                 break
-            stored = cursor.execute(_sql.rendered("idempotency_lookup", schema_name), params).fetchone()
+            stored = read_key(conn, schema_name, params)
             if stored is not None:
                 return stored
         else:
@@ -624,22 +608,6 @@ class Idempotency(Middleware):
             remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
         conn: psycopg.Connection[Any] = database.pool.getconn(timeout=remaining_ms / 1000)
         return conn
-
-    def _on_fresh_connections(self, database: Database, work: Callable[[psycopg.Connection[Any]], _T]) -> _T:
-        """``work(conn)`` on a pooled connection, again on a fresh one after a connection-class
-        error, until ``connection_timeout_ms`` has passed; then the last error is raised."""
-        deadline = time.monotonic() + self._timeout_s(database)
-        pause = _FIRST_PAUSE_S
-        while True:
-            remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
-            try:
-                with database.connection(timeout_ms=remaining_ms) as conn, autocommit(conn):
-                    return work(conn)
-            except psycopg.Error as error:
-                if not is_connection_failure(error) or time.monotonic() + pause >= deadline:
-                    raise
-            time.sleep(pause)
-            pause = min(pause * 2, _MAX_PAUSE_S)
 
     def _end_transaction(self, running: Running, *, commit: bool) -> BaseException | None:
         """Commit or roll back, unbind and return the connection; the error of a failed commit."""
@@ -684,72 +652,44 @@ class Idempotency(Middleware):
 
     # -- record mode --------------------------------------------------------------------------
 
-    def _check_recorded(self, running: Running, database: Database, schema_name: str) -> None:
-        job = running.job
-        lookup = _sql.rendered("idempotency_lookup", schema_name)
+    def record_store(self, broker: Broker) -> IdempotencyStore:
+        """Where record-mode keys go: ``store=``, else a store on the broker's (or ``database=``'s) Postgres."""
+        if self.store is not None:
+            return self.store
+        if self._record_store is None:
+            database, schema_name = self.database_for(broker)
+            with self._lock:
+                if self._record_store is None:
+                    self._record_store = PostgresIdempotencyStore(
+                        database=database, schema=schema_name, connection_timeout_ms=self.connection_timeout_ms
+                    )
+        return self._record_store
 
-        def check(conn: psycopg.Connection[Any]) -> Any:
-            if not self._schema_ready:
-                self._check_schema(conn, schema_name)
-            return _sql.tuples(conn).execute(lookup, _key_params(running)).fetchone()
-
-        try:
-            # Autocommit: one round trip, no BEGIN/COMMIT.
-            stored = self._on_fresh_connections(database, check)
-        except (psycopg.Error, PoolTimeout, SchemaNotReady) as error:
-            self._unavailable(job, error, schema_name)
-        if stored is not None:
-            self._seen(running, stored)
-
-    def _check_store(self, running: Running, store: IdempotencyStore) -> None:
+    def _check_recorded(self, running: Running, store: IdempotencyStore) -> None:
         job = running.job
         try:
             stored = store.lookup(actor_name=job.actor_name, key=job.key)
         except Exception as error:
-            self._unavailable(job, error, type(store).__name__)
+            self._unavailable(job, error, _describe_store(store))
         if stored is not None:
             self._seen(running, stored)
 
-    def _record(self, running: Running) -> None:
+    def _record(self, running: Running, store: IdempotencyStore) -> None:
         job = running.job
-        if self.store is not None:
-            try:
-                inserted = self.store.record(
-                    actor_name=job.actor_name,
-                    key=job.key,
-                    payload_hash=running.payload_hash,
-                    message_id=job.message_id,
-                    retention_s=running.retention_s,
-                )
-            except Exception as error:
-                events.emit(IdempotencyRecordFailed(*_ids(running), _first_line(error)))
-                return
-            if not inserted:
-                logger.warning(
-                    "record mode: key %r of actor %r was recorded by another run while message %s ran",
-                    job.key,
-                    job.actor_name,
-                    job.message_id,
-                )
-            return
-        assert self._target is not None
-        database, schema_name = self._target
-        claim = _sql.rendered("idempotency_claim", schema_name)
         try:
-            # Autocommit, one key per statement.  Group commit (the threads' keys in one
-            # multi-row INSERT, each thread waiting for the commit) halved the WAL flushes but
-            # was measured no faster: a worker thread waiting on a condition costs about what the
-            # round trip it saved did.  An autocommit INSERT whose reply was lost and is sent
-            # again finds its own row: the second run returns no row, which is harmless here.
-            recorded = self._on_fresh_connections(
-                database, lambda conn: _sql.tuples(conn).execute(claim, _key_params(running)).fetchone()
+            inserted = store.record(
+                actor_name=job.actor_name,
+                key=job.key,
+                payload_hash=running.payload_hash,
+                message_id=job.message_id,
+                retention_s=running.retention_s,
             )
         except Exception as error:
             # The effect happened: failing the message now would dead-letter (and a replay
             # repeat) work that succeeded.  Acked without its key, a duplicate would run again.
             events.emit(IdempotencyRecordFailed(*_ids(running), _first_line(error)))
             return
-        if recorded is None:
+        if not inserted:
             logger.warning(
                 "record mode: key %r of actor %r was recorded by another run while message %s ran; the effect "
                 "may have happened twice (record mode does not serialise concurrent duplicates)",
@@ -760,10 +700,10 @@ class Idempotency(Middleware):
 
     # -- outcomes -----------------------------------------------------------------------------
 
-    def _seen(self, running: Running, stored: Any) -> NoReturn:
+    def _seen(self, running: Running, stored: StoredKey) -> NoReturn:
         """The key ran already: skip a duplicate, fail a conflicting reuse.  Always raises."""
         job = running.job
-        stored_hash, first_message_id = bytes(stored[0]), str(stored[1])
+        stored_hash, first_message_id = stored.payload_hash, stored.first_message_id
         if stored_hash != running.payload_hash:
             events.emit(IdempotencyKeyReused(job.actor_name, job.message_id, job.key, first_message_id))
             running.message.fail()
@@ -784,7 +724,7 @@ class Idempotency(Middleware):
         )
         raise SkipMessage(f"duplicate of message {first_message_id!r} (key {job.key!r})")
 
-    def _unavailable(self, job: Job, error: BaseException, schema_name: str) -> NoReturn:
+    def _unavailable(self, job: Job, error: BaseException, where: str) -> NoReturn:
         """Fail closed: the actor must not run unchecked.  Always raises ``DatabaseUnavailable``."""
         if isinstance(error, psycopg.errors.UndefinedTable | SchemaNotReady):
             self._schema_ready = False
@@ -795,7 +735,7 @@ class Idempotency(Middleware):
             IdempotencyUnavailable(job.actor_name, job.message_id, job.mode, f"{type(error).__name__}: {detail}")
         )
         raise DatabaseUnavailable(
-            f"cannot check idempotency key {job.key!r} of actor {job.actor_name!r} in schema {schema_name!r}: "
+            f"cannot check idempotency key {job.key!r} of actor {job.actor_name!r} in {where}: "
             f"{type(error).__name__}: {detail}; the actor did not run and the message will be retried"
         ) from error
 
@@ -814,11 +754,6 @@ class Idempotency(Middleware):
                 current_running.set(None)
 
 
-def _check_retention(what: str, value: object, error: type[ConfigurationError]) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise error(f"{what} must be a positive int of milliseconds, got {value!r}; e.g. 7 days is 604_800_000")
-
-
 def _key_params(running: Running) -> dict[str, Any]:
     job = running.job
     return {
@@ -828,6 +763,11 @@ def _key_params(running: Running) -> dict[str, Any]:
         "message_id": job.message_id,
         "retention_s": running.retention_s,
     }
+
+
+def _describe_store(store: IdempotencyStore) -> str:
+    describe = getattr(store, "describe", None)
+    return str(describe()) if callable(describe) else type(store).__name__
 
 
 def _ids(running: Running) -> tuple[str, str, str]:

@@ -1,52 +1,18 @@
-"""Retention: deleting expired keys in short batches, from the CLI or an actor of your own."""
+"""Retention: an actor that deletes expired keys, for your scheduler to send (the statements are in :mod:`.store`)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import dramatiq
 from dramatiq.broker import Broker
 
-from .. import _sql, events
+from .. import _sql
+from .._checks import check_int
 from ..backing import backing_of
 from ..database import Database, DatabaseLike
-from ..errors import (
-    ConfigurationError,
-)
-from ..schema import IDEMPOTENCY_VERSION, ensure_ready
-from ._connections import autocommit
-from .events import IdempotencyKeysPurged
 from .middleware import Idempotency
-
-# -- retention ----------------------------------------------------------------------------------
-
-
-def purge_expired(database: DatabaseLike, *, schema: str = _sql.DEFAULT_SCHEMA, batch_size: int = 5000) -> int:
-    """Delete expired keys in batches of ``batch_size``; return how many were deleted.
-
-    Each batch is its own short transaction, so a large backlog never holds long locks.  The
-    ``dramatiq-reliable idempotency purge`` command and :func:`make_purge_actor` call this.
-    """
-    schema_name = _sql.validate_schema(schema)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigurationError(f"batch_size must be a positive int, got {batch_size!r}")
-    database = Database.of(database)
-    started = time.perf_counter()
-    total = 0
-    with database.connection() as conn:
-        ensure_ready(conn, schema=schema_name, required=IDEMPOTENCY_VERSION, feature="idempotency")
-        conn.rollback()
-        with autocommit(conn):
-            while True:
-                deleted = conn.execute(
-                    _sql.query("idempotency_purge", schema_name), {"batch_size": batch_size}
-                ).rowcount
-                total += deleted
-                if deleted < batch_size:
-                    break
-    events.emit(IdempotencyKeysPurged(total, schema_name, (time.perf_counter() - started) * 1000))
-    return total
+from .store import purge_expired
 
 
 def make_purge_actor(
@@ -78,8 +44,7 @@ def make_purge_actor(
         backing = backing_of(broker, needed_by="make_purge_actor()", database=Database.of(database))
         database, default_schema = backing.database, backing.schema
     schema_name = _sql.validate_schema(schema or default_schema)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigurationError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_int("batch_size", batch_size, minimum=1, fix="e.g. batch_size=5000")
     if "idempotency" in broker.actor_options:
         actor_options.setdefault("idempotency", "off")
     target = database

@@ -1,1 +1,1 @@
-SELECT max(version) FROM {schema}.migrations
+SELECT max(version) AS version FROM {schema}.migrations

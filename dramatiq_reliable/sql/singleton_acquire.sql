@@ -10,4 +10,4 @@ ON CONFLICT (key) DO UPDATE
        acquired_at = now(),
        expires_at = EXCLUDED.expires_at
  WHERE lease.expires_at < now()
-RETURNING lease.token, lease.buffered_message_id = %(message_id)s
+RETURNING lease.token, lease.buffered_message_id = %(message_id)s AS was_buffered
