@@ -424,12 +424,13 @@ class Relay:
     def drain(self) -> int:
         """Run passes until the backlog is empty (or the relay is stopped); return rows published.
 
-        Under a backlog (a full batch) a helper thread claims the next batch while RabbitMQ
-        confirms the one in hand, and records that one's outcome while the next is published,
-        so Postgres round trips overlap the publishing instead of adding to it.  Each batch
-        keeps its own transaction: a row is marked only after its confirm, as in
-        :meth:`drain_once`.  The pass that finds the backlog empty runs on the calling thread
-        alone, with no helper thread started.
+        A pass that claimed a full batch, or that ``max_batch_bytes`` cut short (rows left for
+        later, however few), is not the end of the backlog: another pass follows.  Under a
+        backlog a helper thread claims the next batch while RabbitMQ confirms the one in hand,
+        and records that one's outcome while the next is published, so Postgres round trips
+        overlap the publishing instead of adding to it.  Each batch keeps its own transaction:
+        a row is marked only after its confirm, as in :meth:`drain_once`.  A backlog that fits
+        in one pass is drained on the calling thread alone, with no helper thread started.
         """
         if self._stop.is_set():
             return 0
@@ -441,7 +442,13 @@ class Relay:
         return self._drain_overlapped(batch)
 
     def _more_after(self, batch: _Batch) -> bool:
-        return batch.claimed >= self.batch_size and not self._stop.is_set()
+        """Whether rows may wait after ``batch``: it claimed a full batch, or left rows for later.
+
+        A batch that ``max_batch_bytes`` cut short locked rows it did not publish: they are the
+        backlog's next rows however few were claimed.
+        """
+        full_or_cut = batch.claimed >= self.batch_size or len(batch.rows) < batch.claimed
+        return full_or_cut and not self._stop.is_set()
 
     def _drain_overlapped(self, first: _Batch) -> int:
         """:meth:`drain` under a backlog: Postgres work on a helper thread, publishing on this one.
