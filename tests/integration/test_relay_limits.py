@@ -239,3 +239,18 @@ def test_relay_once_publishes_a_backlog_short_in_rows_but_long_in_bytes(
     assert _unpublished(db, db_schema) == 0
     assert rabbit.count(queue_name) == 3
 
+
+def test_a_confirm_timeout_of_weeks_still_claims(broker, queue_name, rabbit, db, db_schema):
+    """The claim's idle bound (twice the confirm timeout plus a statement) stays within Postgres's range.
+
+    Before: confirm_timeout_ms=30 days passed validation and every claim failed with Postgres's
+    "outside the valid range" for idle_in_transaction_session_timeout.
+    """
+    task = dramatiq.actor(lambda: None, actor_name=f"{queue_name}_a", queue_name=queue_name, broker=broker)
+    task.send()
+    relay = Relay.from_broker(broker, confirm_timeout_ms=30 * 86_400_000, listen=False)
+    try:
+        assert relay.drain() == 1
+    finally:
+        relay.publisher.close()
+    assert _unpublished(db, db_schema) == 0
