@@ -213,3 +213,14 @@ def test_idle_sleeps_are_jittered_so_relays_do_not_probe_in_lockstep() -> None:
 def test_the_wake_channel_is_named_after_the_schema() -> None:
     """The channel the relays listen on and wake_relays() notifies."""
     assert wake.channel("app") == "app.outbox"
+
+
+def test_outbox_admin_refuses_bad_bounds_before_touching_the_connection():
+    from dramatiq_reliable.outbox.admin import failing_rows, outbox_stats
+
+    untouched: Any = object()  # any use of the connection would fail with AttributeError
+    for limit in (0, True, 2**63):
+        with pytest.raises(ConfigurationError, match="limit must be an int from 1 to"):
+            failing_rows(untouched, limit=limit)
+    with pytest.raises(ConfigurationError, match="statement_timeout_ms must be at most 2147483647"):
+        outbox_stats(untouched, statement_timeout_ms=2**31)
