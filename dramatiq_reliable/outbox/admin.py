@@ -1,9 +1,10 @@
 """Operating the outbox: its backlog at a glance, the rows that fail on their own, and a fresh start for them.
 
-The functions the ``outbox stats`` and ``outbox retry`` commands, the relay's progress line and
-the web page call, so they read and act the same way.  Each takes an open connection with no
-transaction in progress and leaves it so (reads end with a rollback, the retry commits its one
-statement and, if it reset rows, a wake-up of the relays).
+The functions the ``outbox stats``, ``outbox retry`` and ``outbox purge`` commands, the relay's
+progress line and the web page call, so they read and act the same way.  Each takes an open
+connection with no transaction in progress and leaves it so (reads end with a rollback, the
+retry commits its one statement and, if it reset rows, a wake-up of the relays).  The purge
+itself is :func:`~dramatiq_reliable.outbox.purge_published`, which the relay runs too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .. import _sql, schema
 from .._checks import check_int, check_ms
 from .wake import wake_relays
 
-__all__ = ["FailingRow", "OutboxStats", "failing_rows", "outbox_stats", "retry_failing"]
+__all__ = ["FailingRow", "OutboxStats", "failing_rows", "outbox_stats", "published_older_than", "retry_failing"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,25 @@ def failing_rows(
         )
         for row in rows
     ]
+
+
+def published_older_than(
+    conn: psycopg.Connection[Any], *, schema_name: str = _sql.DEFAULT_SCHEMA, older_than_ms: int
+) -> int:
+    """How many published rows :func:`~dramatiq_reliable.outbox.purge_published` would delete now.
+
+    What ``outbox purge`` counts before it asks; read on the published-rows index.
+    """
+    check_ms("older_than_ms", older_than_ms)
+    with conn.transaction():
+        _ready(conn, schema_name)
+        row = (
+            conn.cursor(row_factory=dict_row)
+            .execute(_sql.query("outbox_purge_count", schema_name), {"older_than_s": older_than_ms / 1000})
+            .fetchone()
+        )
+    assert row is not None
+    return int(row["published"])
 
 
 def retry_failing(conn: psycopg.Connection[Any], *, schema_name: str = _sql.DEFAULT_SCHEMA) -> int:

@@ -76,7 +76,10 @@ def test_constructing_a_broker_does_no_io():
         ({"batch_size": 0}, "batch_size must be an int from 1 to 2147483647, got 0"),
         ({"batch_size": True}, "batch_size must be an int from 1 to 2147483647, got True"),
         ({"on_published": "archive"}, "on_published must be 'mark' or 'delete', got 'archive'"),
-        ({"backoff_min_ms": 500, "backoff_max_ms": 100}, "backoff_max_ms must be an int >= 500 .milliseconds., got 100"),
+        (
+            {"backoff_min_ms": 500, "backoff_max_ms": 100},
+            "backoff_max_ms must be an int >= 500 .milliseconds., got 100",
+        ),
         ({"retention_ms": -1}, "retention_ms must be an int >= 0 .milliseconds. or None, got -1; None keeps"),
         ({"poll_interval_ms": 10**30}, "poll_interval_ms must be at most 3153600000000 milliseconds"),
         ({"statement_timeout_ms": 2**31}, "statement_timeout_ms must be at most 2147483647 milliseconds"),
@@ -216,7 +219,7 @@ def test_the_wake_channel_is_named_after_the_schema() -> None:
 
 
 def test_outbox_admin_refuses_bad_bounds_before_touching_the_connection():
-    from dramatiq_reliable.outbox.admin import failing_rows, outbox_stats
+    from dramatiq_reliable.outbox.admin import failing_rows, outbox_stats, published_older_than
 
     untouched: Any = object()  # any use of the connection would fail with AttributeError
     for limit in (0, True, 2**63):
@@ -224,3 +227,5 @@ def test_outbox_admin_refuses_bad_bounds_before_touching_the_connection():
             failing_rows(untouched, limit=limit)
     with pytest.raises(ConfigurationError, match="statement_timeout_ms must be at most 2147483647"):
         outbox_stats(untouched, statement_timeout_ms=2**31)
+    with pytest.raises(ConfigurationError, match="older_than_ms must be an int >= 0"):
+        published_older_than(untouched, older_than_ms=-1)
