@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from .._checks import check_ms
 from ..outbox.broker import OutboxBroker
 from ..outbox.relay import OnPublished, Relay, RelayOptions
 from .dead_letters import InMemoryDeadLetterStore
@@ -25,6 +26,8 @@ T = TypeVar("T")
 
 def wait_for(condition: Callable[[], T], *, timeout_ms: int = 10_000, interval_ms: int = 20, message: str = "") -> T:
     """Poll ``condition`` until it returns something truthy and return that; fail after ``timeout_ms``."""
+    check_ms("timeout_ms", timeout_ms)
+    check_ms("interval_ms", interval_ms, minimum=1)
     deadline = time.monotonic() + timeout_ms / 1000
     while True:
         value = condition()

@@ -229,3 +229,12 @@ def test_outbox_admin_refuses_bad_bounds_before_touching_the_connection():
         outbox_stats(untouched, statement_timeout_ms=2**31)
     with pytest.raises(ConfigurationError, match="older_than_ms must be an int >= 0"):
         published_older_than(untouched, older_than_ms=-1)
+
+
+def test_wait_for_refuses_an_interval_that_would_spin():
+    from dramatiq_reliable.testing import wait_for
+
+    with pytest.raises(ConfigurationError, match="interval_ms must be an int >= 1"):
+        wait_for(lambda: True, interval_ms=0)
+    with pytest.raises(ConfigurationError, match="timeout_ms must be an int >= 0"):
+        wait_for(lambda: True, timeout_ms=-1)
