@@ -267,7 +267,7 @@ def steady_latency(
     broker: OutboxBroker, actor: Any, queue: str, args: argparse.Namespace
 ) -> tuple[float, float, int, float, float]:
     """Steady ``args.rate`` sends/s, each committed alone: p50, p99 ms, lost, probes/s, passes/s."""
-    relay = Relay.from_broker(broker, **relay_options(args))
+    relay = Relay.from_broker(broker, poll_interval_ms=poll_interval_ms(args))
     counter = Probe(relay)
     consumer = Consumer(queue)
     thread = threading.Thread(target=relay.run, daemon=True)
@@ -319,9 +319,8 @@ def idle_wake(
     broker: OutboxBroker, actor: Any, queue: str, args: argparse.Namespace
 ) -> tuple[list[float], float, float]:
     """First-message latency after an idle down to the ceiling; and the idle relay's probes/s."""
-    options = relay_options(args)
-    ceiling_s = RelayOptions(**options).poll_interval_ms / 1000
-    relay = Relay.from_broker(broker, **options)
+    ceiling_s = poll_interval_ms(args) / 1000
+    relay = Relay.from_broker(broker, poll_interval_ms=poll_interval_ms(args))
     counter = Probe(relay)
     consumer = Consumer(queue)
     thread = threading.Thread(target=relay.run, daemon=True)
@@ -377,8 +376,9 @@ def probe_cost(schema_name: str, probes: int) -> tuple[float, float | None]:
     return wall / probes * 1e6, cpu
 
 
-def relay_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {} if args.poll_interval_ms is None else {"poll_interval_ms": args.poll_interval_ms}
+def poll_interval_ms(args: argparse.Namespace) -> int:
+    """The relay's idle ceiling: --poll-interval-ms, or the relay's default."""
+    return RelayOptions.poll_interval_ms if args.poll_interval_ms is None else int(args.poll_interval_ms)
 
 
 def put_old_trigger_back(conn: psycopg.Connection[Any], schema_name: str) -> None:
@@ -452,7 +452,7 @@ def main() -> None:
             truncate(admin, schemas)
 
         RabbitmqBroker(url=RABBITMQ_URL, middleware=[]).declare_queue(queue, ensure=True)
-        ceiling = RelayOptions(**relay_options(args)).poll_interval_ms
+        ceiling = poll_interval_ms(args)
         log(
             f"2. commit-to-receipt latency at {args.rate} msg/s, {args.latency_rounds} rounds x "
             f"{args.latency_seconds}s, ours (ceiling {ceiling} ms) then the 0001 trigger put back"

@@ -26,6 +26,13 @@ DOCUMENTED = {int(code) for code in ExitCode}
 _ERRORS = {ExitCode.USAGE, ExitCode.UNAVAILABLE, ExitCode.SCHEMA, ExitCode.ABORTED}
 
 
+class Terminal(io.StringIO):
+    """A stdin that says it is a terminal, holding the user's answers (``Terminal("y\\n")``)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 @dataclass
 class Outcome:
     code: int

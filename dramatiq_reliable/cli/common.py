@@ -424,3 +424,22 @@ def open_database(args: argparse.Namespace, *, max_size: int = 2) -> Iterator[Da
         yield database
     finally:
         database.close()
+
+
+def confirm(args: argparse.Namespace, question: str, what: str) -> bool:
+    """Whether to go ahead with ``what`` (``"delete 12 rows"``): ``--yes`` says so at once.
+
+    On a terminal the user is asked ``question? [y/N]`` on stderr and only ``y`` or ``yes``
+    goes ahead.  Without a terminal and without ``--yes`` it refuses, saying so in one line, so
+    a script never deletes by accident; the caller then exits ``ABORTED``.
+    """
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        print_error(f"refusing to {what} without confirmation: stdin is not a terminal; pass --yes")
+        return False
+    print(f"{question}? [y/N] ", end="", file=sys.stderr, flush=True)
+    if sys.stdin.readline().strip().lower() in ("y", "yes"):
+        return True
+    print("aborted; nothing changed", file=sys.stderr)
+    return False

@@ -1,13 +1,18 @@
-"""``dramatiq-reliable outbox``: the backlog at a glance, and the purge of published rows."""
+"""``dramatiq-reliable outbox``: the backlog at a glance, a fresh start for failing rows, and the purge of published rows.
+
+``outbox purge`` counts what it would delete and asks first, as ``dead-letters replay`` and
+``discard`` do: ``--yes`` skips the question, and without a terminal and without ``--yes`` it
+refuses with exit code 6 (``ABORTED``), as does a declined question.
+"""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
 
-from ..outbox.admin import outbox_stats, retry_failing
+from ..outbox.admin import outbox_stats, published_older_than, retry_failing
 from . import output
-from .common import Duration, ExitCode, connect, open_database
+from .common import Duration, ExitCode, confirm, connect, open_database
 
 __all__ = ["register"]
 
@@ -44,11 +49,14 @@ def register(
         "purge",
         parents=list(parents),
         help="delete published rows past retention",
-        description="Delete published rows older than --older-than (a relay with --on-published mark keeps them).",
+        description="Delete published rows older than --older-than (a relay with --on-published mark keeps them). "
+        "Counts them and asks first; --yes skips the question, and without a terminal it is required (exit 6 "
+        "otherwise).",
     )
     purge.add_argument(
         "--older-than", type=Duration(), default="1d", metavar="DURATION", help="delete published rows older than this"
     )
+    purge.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     purge.add_argument("--json", action="store_true", help="print JSON for scripts")
     purge.set_defaults(handler=_purge)
     return parser
@@ -81,7 +89,15 @@ def _purge(args: argparse.Namespace) -> int:
     from ..outbox.relay import purge_published
 
     with open_database(args) as database:
-        deleted = purge_published(database, schema=args.schema, older_than_ms=args.older_than)
+        with database.connection() as conn:
+            waiting = published_older_than(conn, schema_name=args.schema, older_than_ms=args.older_than)
+        deleted = 0
+        if waiting:
+            rows = output.count(waiting, "published outbox row")
+            question = f"delete {rows} older than {output.age(args.older_than / 1000)}"
+            if not confirm(args, question, f"delete {rows}"):
+                return ExitCode.ABORTED
+            deleted = purge_published(database, schema=args.schema, older_than_ms=args.older_than)
     if args.json:
         output.print_json({"deleted": deleted})
     else:

@@ -9,9 +9,10 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .. import _sql, events
+from .. import events
 from .._util import first_line, rabbitmq_address, redact
 from ..database import Database
+from ..outbox.admin import outbox_stats
 from . import output
 from .common import (
     Duration,
@@ -204,13 +205,10 @@ class ProgressLog:
 
     def _backlog(self) -> str:
         try:
-            with self.database.connection(timeout_ms=2000) as conn, conn.transaction():
-                _sql.set_local_timeouts(conn, statement_timeout_ms=2000)
-                row = _sql.tuples(conn).execute(_sql.query("outbox_stats", self.schema)).fetchone()
+            with self.database.connection(timeout_ms=2000) as conn:
+                stats = outbox_stats(conn, schema_name=self.schema, statement_timeout_ms=2000)
         except Exception as error:  # the relay's own log says why Postgres is down
             return f"backlog unknown ({redact(first_line(error))})"
-        assert row is not None
-        backlog, failing, oldest_s = int(row[0]), int(row[1]), float(row[2])
-        waiting = output.count(backlog, "row")
-        oldest = f" (oldest {output.age(oldest_s)})" if backlog else ""
-        return f"{waiting} waiting{oldest}, {failing:,} failing"
+        waiting = output.count(stats.backlog, "row")
+        oldest = f" (oldest {output.age(stats.oldest_age_s)})" if stats.backlog else ""
+        return f"{waiting} waiting{oldest}, {stats.failing:,} failing"

@@ -39,6 +39,7 @@ from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.common import q_name
 from dramatiq.errors import BrokerConnectionError
 
+from .._checks import check_int, check_ms
 from .._util import rabbitmq_error, rabbitmq_reason
 from ..errors import BrokerUnavailable
 
@@ -107,6 +108,8 @@ class Publisher:
     """Publishes batches to RabbitMQ with pipelined confirms.  Not thread-safe: one per relay thread."""
 
     def __init__(self, parameters: Any, *, max_priority: int | None = None, confirm_timeout_ms: int = 30_000) -> None:
+        check_int("max_priority", max_priority, minimum=1, maximum=255, allow_none=True)
+        check_ms("confirm_timeout_ms", confirm_timeout_ms, minimum=1)
         self._declarer = RabbitmqBroker(middleware=[], max_priority=max_priority)
         self._confirm_timeout_s = confirm_timeout_ms / 1000
         self._declarer.parameters = bounded(parameters, blocked_timeout_s=self._confirm_timeout_s)

@@ -34,10 +34,11 @@ import psycopg
 from dramatiq.broker import Broker
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.middleware import Middleware
+from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
 from .. import _sql, events, schema
-from .._checks import is_int
+from .._checks import check_bool, check_choice, check_int, check_ms
 from .._util import first_line as _first_line
 from .._util import redact
 from ..backing import postgres_backed
@@ -47,6 +48,7 @@ from . import wake
 from .publisher import Publication, Publisher, PublishOutcome
 
 __all__ = [
+    "OnPublished",
     "OutboxBatchPublished",
     "OutboxBrokerUnavailable",
     "OutboxPublished",
@@ -61,8 +63,9 @@ __all__ = [
 logger = logging.getLogger("dramatiq_reliable.outbox.relay")
 
 _MAX_ERROR_CHARS = 2000
-# max_attempts=None: a bound no row reaches (attempts is an integer column).
-_NO_LIMIT = 2**31 - 1
+# Postgres's integer: the outbox's attempts column, and statement_timeout in milliseconds.
+# max_attempts=None claims rows below it: a bound no row reaches.
+_INT_MAX = 2**31 - 1
 _WAIT_SLICE_S = 0.2
 
 
@@ -147,16 +150,24 @@ class RelayPass:
         return self.published + self.failed + self.deferred
 
 
+#: What the relay does with a row once RabbitMQ confirmed it.
+OnPublished = Literal["mark", "delete"]
+
+
 @dataclasses.dataclass(frozen=True)
 class RelayOptions:
-    """How a relay runs; validated once, where it is built.  See :class:`Relay` for each field."""
+    """How a relay runs, validated once, where it is built; kept as ``relay.options``.
+
+    The defaults written here are the defaults of the keyword arguments of :class:`Relay`,
+    :meth:`Relay.from_broker`, :class:`WorkerRelay` and
+    :func:`~dramatiq_reliable.testing.drain_outbox`.  See :class:`Relay` for each field.
+    """
 
     batch_size: int = 500
     poll_interval_ms: int = 250
-    on_published: Literal["mark", "delete"] = "mark"
+    on_published: OnPublished = "mark"
     retention_ms: int | None = 24 * 3600 * 1000
     purge_interval_ms: int = 60_000
-    max_priority: int | None = None
     confirm_timeout_ms: int = 30_000
     backoff_min_ms: int = 200
     backoff_max_ms: int = 30_000
@@ -167,39 +178,20 @@ class RelayOptions:
     statement_timeout_ms: int = 30_000
 
     def __post_init__(self) -> None:
-        for name, minimum in (
-            ("batch_size", 1),
-            ("poll_interval_ms", 1),
-            ("purge_interval_ms", 1),
-            ("confirm_timeout_ms", 1),
-            ("backoff_min_ms", 1),
-            ("backoff_max_ms", self.backoff_min_ms if is_int(self.backoff_min_ms) else 1),
-            ("row_backoff_max_ms", 1),
-            ("max_batch_bytes", 1),
-            ("statement_timeout_ms", 1),
-        ):
-            value = getattr(self, name)
-            if not is_int(value) or value < minimum:
-                raise ConfigurationError(f"{name} must be an int >= {minimum}, got {value!r}")
-        if self.on_published not in ("mark", "delete"):
-            raise ConfigurationError(f"on_published must be 'mark' or 'delete', got {self.on_published!r}")
-        if self.retention_ms is not None and (not is_int(self.retention_ms) or self.retention_ms < 0):
-            raise ConfigurationError(f"retention_ms must be a non-negative int or None, got {self.retention_ms!r}")
-        if self.max_priority is not None and (not is_int(self.max_priority) or not 1 <= self.max_priority <= 255):
-            raise ConfigurationError(f"max_priority must be an int from 1 to 255 or None, got {self.max_priority!r}")
-        if self.max_attempts is not None and (not is_int(self.max_attempts) or self.max_attempts < 1):
-            raise ConfigurationError(f"max_attempts must be an int >= 1 or None, got {self.max_attempts!r}")
-        if not isinstance(self.listen, bool):
-            raise ConfigurationError(f"listen must be True or False, got {self.listen!r}")
-
-    @classmethod
-    def from_kwargs(cls, options: dict[str, Any], *, owner: str) -> RelayOptions:
-        """Options from keyword arguments, with a :class:`ConfigurationError` naming an unknown one."""
-        unknown = sorted(set(options) - {field.name for field in dataclasses.fields(cls)})
-        if unknown:
-            known = ", ".join(field.name for field in dataclasses.fields(cls))
-            raise ConfigurationError(f"{owner} got unknown options {unknown!r}; the relay options are: {known}")
-        return cls(**options)
+        check_int("batch_size", self.batch_size, minimum=1, maximum=_INT_MAX)
+        check_ms("poll_interval_ms", self.poll_interval_ms, minimum=1)
+        check_choice("on_published", self.on_published, ("mark", "delete"))
+        check_ms("retention_ms", self.retention_ms, allow_none=True, fix="None keeps published rows")
+        check_ms("purge_interval_ms", self.purge_interval_ms, minimum=1)
+        check_ms("confirm_timeout_ms", self.confirm_timeout_ms, minimum=1)
+        check_ms("backoff_min_ms", self.backoff_min_ms, minimum=1)
+        check_ms("backoff_max_ms", self.backoff_max_ms, minimum=self.backoff_min_ms)
+        check_ms("row_backoff_max_ms", self.row_backoff_max_ms, minimum=1)
+        check_bool("listen", self.listen)
+        check_int("max_batch_bytes", self.max_batch_bytes, minimum=1)
+        check_int("max_attempts", self.max_attempts, minimum=1, maximum=_INT_MAX, allow_none=True)
+        # Postgres holds statement_timeout as an int of milliseconds.
+        check_ms("statement_timeout_ms", self.statement_timeout_ms, minimum=1, maximum=_INT_MAX)
 
 
 class Relay:
@@ -210,6 +202,8 @@ class Relay:
       database: where the outbox lives: a URL, a ``psycopg_pool.ConnectionPool`` or a
         :class:`~dramatiq_reliable.Database`.
       schema: the Postgres schema of the tables.
+      max_priority: as for ``RabbitmqBroker``: the queues are declared with it, so it must
+        match the workers' setting (:meth:`from_broker` takes the broker's).
       batch_size: rows claimed and published per pass.
       poll_interval_ms: the idle ceiling: the longest sleep between probes of an idle outbox,
         and so the longest a row committed after a long idle waits for this relay.  After an
@@ -220,18 +214,9 @@ class Relay:
         for audits) or ``"delete"`` removes rows as soon as they are confirmed.
       retention_ms: how long published rows are kept; ``None`` keeps them until purged by hand.
       purge_interval_ms: how often the relay purges rows past retention.
-      max_priority: as for ``RabbitmqBroker``; must match the workers' setting.
       confirm_timeout_ms: how long to wait for RabbitMQ's confirms of a batch.  Rows confirmed
         by then are marked; each unconfirmed row gets an attempt counted and backs off (unless
         RabbitMQ turns out to be unreachable: then no row is charged).
-      max_batch_bytes: a pass stops adding rows once their bodies reach this many bytes (a
-        first row larger than that goes alone), so one large row cannot make the small rows
-        beside it wait for its transfer.
-      max_attempts: after this many failed attempts a row is no longer claimed (the poison
-        path): it stays in the outbox, counted as failing, with its ``last_error``, until
-        ``dramatiq-reliable outbox retry`` resets it.  ``None`` retries forever.
-      statement_timeout_ms: server-side bound of each of the relay's own statements; its
-        transaction is also closed by Postgres if it idles past ``confirm_timeout_ms`` plus this.
       backoff_min_ms / backoff_max_ms: the wait after RabbitMQ or Postgres was unreachable.
       row_backoff_max_ms: the longest wait of a row that keeps failing on its own.
       listen: hold a ``LISTEN`` connection, so :func:`~dramatiq_reliable.outbox.wake_relays`
@@ -239,8 +224,19 @@ class Relay:
         in transaction mode) holds no connection: explicit wake-ups are not heard, and each
         idle step runs a pass through the pool instead of a probe.  Either way the relay finds
         new rows by itself within ``poll_interval_ms``.
+      max_batch_bytes: a pass stops adding rows once their bodies reach this many bytes (a
+        first row larger than that goes alone), so one large row cannot make the small rows
+        beside it wait for its transfer.  The rows left out go in the next pass, also in
+        :meth:`drain`.
+      max_attempts: after this many failed attempts a row is no longer claimed (the poison
+        path): it stays in the outbox, counted as failing, with its ``last_error``, until
+        ``dramatiq-reliable outbox retry`` resets it.  ``None`` retries forever.
+      statement_timeout_ms: server-side bound of each of the relay's own statements; its
+        transaction is also closed by Postgres if it idles past ``confirm_timeout_ms`` plus this.
 
-    The options are validated once, as a :class:`RelayOptions`, kept as ``relay.options``.
+    Every option is keyword-only, validated once by :class:`RelayOptions` (a
+    :class:`~dramatiq_reliable.errors.ConfigurationError` naming the option), and kept as
+    ``relay.options``; a misspelt one is Python's ``TypeError`` naming it.
     """
 
     def __init__(
@@ -250,13 +246,41 @@ class Relay:
         parameters: Any = None,
         database: DatabaseLike,
         schema: str = _sql.DEFAULT_SCHEMA,
-        **options: Any,
+        max_priority: int | None = None,
+        batch_size: int = RelayOptions.batch_size,
+        poll_interval_ms: int = RelayOptions.poll_interval_ms,
+        on_published: OnPublished = RelayOptions.on_published,
+        retention_ms: int | None = RelayOptions.retention_ms,
+        purge_interval_ms: int = RelayOptions.purge_interval_ms,
+        confirm_timeout_ms: int = RelayOptions.confirm_timeout_ms,
+        backoff_min_ms: int = RelayOptions.backoff_min_ms,
+        backoff_max_ms: int = RelayOptions.backoff_max_ms,
+        row_backoff_max_ms: int = RelayOptions.row_backoff_max_ms,
+        listen: bool = RelayOptions.listen,
+        max_batch_bytes: int = RelayOptions.max_batch_bytes,
+        max_attempts: int | None = RelayOptions.max_attempts,
+        statement_timeout_ms: int = RelayOptions.statement_timeout_ms,
     ) -> None:
         import pika
 
         if (rabbitmq_url is None) == (parameters is None):
             raise ConfigurationError("pass exactly one of rabbitmq_url= and parameters= to Relay")
-        self.options = RelayOptions.from_kwargs(options, owner="Relay")
+        self.options = RelayOptions(
+            batch_size=batch_size,
+            poll_interval_ms=poll_interval_ms,
+            on_published=on_published,
+            retention_ms=retention_ms,
+            purge_interval_ms=purge_interval_ms,
+            confirm_timeout_ms=confirm_timeout_ms,
+            backoff_min_ms=backoff_min_ms,
+            backoff_max_ms=backoff_max_ms,
+            row_backoff_max_ms=row_backoff_max_ms,
+            listen=listen,
+            max_batch_bytes=max_batch_bytes,
+            max_attempts=max_attempts,
+            statement_timeout_ms=statement_timeout_ms,
+        )
+        self.max_priority: int | None = check_int("max_priority", max_priority, minimum=1, maximum=255, allow_none=True)
         self.schema = _sql.validate_schema(schema)
         self.database = Database.of(database)
         self.batch_size = self.options.batch_size
@@ -272,7 +296,7 @@ class Relay:
             parameters = [pika.URLParameters(u) for u in str(rabbitmq_url).split(";")]
             parameters = parameters[0] if len(parameters) == 1 else parameters
         self.publisher = Publisher(
-            parameters, max_priority=self.options.max_priority, confirm_timeout_ms=self.options.confirm_timeout_ms
+            parameters, max_priority=self.max_priority, confirm_timeout_ms=self.options.confirm_timeout_ms
         )
         self._stop = threading.Event()
         self._checked_schema = False
@@ -282,17 +306,54 @@ class Relay:
         self._sleeping_s: float | None = None
 
     @classmethod
-    def from_broker(cls, broker: Broker, **options: Any) -> Relay:
-        """A relay that shares ``broker``'s RabbitMQ parameters, pool, schema and priority."""
+    def from_broker(
+        cls,
+        broker: Broker,
+        *,
+        batch_size: int = RelayOptions.batch_size,
+        poll_interval_ms: int = RelayOptions.poll_interval_ms,
+        on_published: OnPublished = RelayOptions.on_published,
+        retention_ms: int | None = RelayOptions.retention_ms,
+        purge_interval_ms: int = RelayOptions.purge_interval_ms,
+        confirm_timeout_ms: int = RelayOptions.confirm_timeout_ms,
+        backoff_min_ms: int = RelayOptions.backoff_min_ms,
+        backoff_max_ms: int = RelayOptions.backoff_max_ms,
+        row_backoff_max_ms: int = RelayOptions.row_backoff_max_ms,
+        listen: bool = RelayOptions.listen,
+        max_batch_bytes: int = RelayOptions.max_batch_bytes,
+        max_attempts: int | None = RelayOptions.max_attempts,
+        statement_timeout_ms: int = RelayOptions.statement_timeout_ms,
+    ) -> Relay:
+        """A relay that shares ``broker``'s RabbitMQ parameters, pool, schema and ``max_priority``.
+
+        The options are :class:`Relay`'s; where the relay publishes and what it reads come
+        from the broker, so the relay always declares the queues as its workers do.
+        """
         backed = _outbox_broker(broker)
         if backed is None:
             raise ConfigurationError(
                 f"Relay.from_broker() needs a broker that sends through the outbox to RabbitMQ (OutboxBroker), "
                 f"got {type(broker).__name__!r}; build your broker with dramatiq_reliable.OutboxBroker"
             )
-        options.setdefault("schema", backed.schema)
-        options.setdefault("max_priority", backed.max_priority)
-        return cls(parameters=backed.parameters, database=backed.database, **options)
+        return cls(
+            parameters=backed.parameters,
+            database=backed.database,
+            schema=backed.schema,
+            max_priority=backed.max_priority,
+            batch_size=batch_size,
+            poll_interval_ms=poll_interval_ms,
+            on_published=on_published,
+            retention_ms=retention_ms,
+            purge_interval_ms=purge_interval_ms,
+            confirm_timeout_ms=confirm_timeout_ms,
+            backoff_min_ms=backoff_min_ms,
+            backoff_max_ms=backoff_max_ms,
+            row_backoff_max_ms=row_backoff_max_ms,
+            listen=listen,
+            max_batch_bytes=max_batch_bytes,
+            max_attempts=max_attempts,
+            statement_timeout_ms=statement_timeout_ms,
+        )
 
     # -- one pass --------------------------------------------------------------------------
 
@@ -328,28 +389,33 @@ class Relay:
                 _sql.query("outbox_relay_local", self.schema),
                 {
                     "statement_timeout": str(options.statement_timeout_ms),
-                    "idle_timeout": str(2 * options.confirm_timeout_ms + options.statement_timeout_ms),
+                    "idle_timeout": str(_idle_timeout_ms(options)),
                 },
             )
             if not self._checked_schema:
                 schema.ensure_ready(conn, schema=self.schema, required=schema.OUTBOX_VERSION, feature="outbox")
                 self._checked_schema = True
             claimed = (
-                _sql.tuples(conn)
+                conn.cursor(row_factory=dict_row)
                 .execute(
                     _sql.query("outbox_claim", self.schema),
-                    {"batch_size": self.batch_size, "max_attempts": options.max_attempts or _NO_LIMIT},
+                    {"batch_size": self.batch_size, "max_attempts": options.max_attempts or _INT_MAX},
                 )
                 .fetchall()
             )
             if not claimed:
                 return None
-            rows = _within_bytes(claimed, options.max_batch_bytes)
             publications = [
-                Publication(key=row[0], routing_key=row[2], body=bytes(row[3]), message_id=row[1], priority=row[4])
-                for row in rows
+                Publication(
+                    key=row["id"],
+                    routing_key=row["queue_name"],
+                    body=bytes(row["body"]),
+                    message_id=row["message_id"],
+                    priority=row["priority"],
+                )
+                for row in _within_bytes(claimed, options.max_batch_bytes)
             ]
-            return _Batch(stack.pop_all(), conn, len(claimed), rows, publications, started)
+            return _Batch(stack.pop_all(), conn, len(claimed), publications, started)
         raise AssertionError("unreachable")  # pragma: no cover - the block returns
 
     def _publish(self, batch: _Batch) -> PublishOutcome:
@@ -378,7 +444,11 @@ class Relay:
             events.emit(OutboxBatchPublished(self.schema, batch.publish_started_ns, batch.publish_ended_ns, relayed))
 
     def _record_failures(
-        self, conn: psycopg.Connection[Any], rows: list[Any], failed: dict[int, str], timed_out: set[int]
+        self,
+        conn: psycopg.Connection[Any],
+        publications: list[Publication],
+        failed: dict[int, str],
+        timed_out: set[int],
     ) -> None:
         attempts: dict[int, int] = {}
         # A row that outlasted the confirm timeout cost the relay that long: it waits at least
@@ -390,8 +460,8 @@ class Relay:
         ):
             if not ids:
                 continue
-            attempts.update(
-                _sql.tuples(conn)
+            recorded = (
+                conn.cursor(row_factory=dict_row)
                 .execute(
                     _sql.query("outbox_record_failure", self.schema),
                     {
@@ -403,20 +473,20 @@ class Relay:
                 )
                 .fetchall()
             )
-        ids = list(failed)
-        errors = [failed[i][:_MAX_ERROR_CHARS] for i in ids]
-        by_id = {row[0]: row for row in rows}
-        for row_id, error in zip(ids, errors, strict=True):
-            row = by_id[row_id]
+            attempts.update((row["id"], row["attempts"]) for row in recorded)
+        by_key = {publication.key: publication for publication in publications}
+        for row_id, reason in failed.items():
+            error = reason[:_MAX_ERROR_CHARS]
+            publication = by_key[row_id]
             count = attempts.get(row_id, 0)
-            events.emit(OutboxRowFailed(row_id, row[1], row[2], count, error))
+            events.emit(OutboxRowFailed(row_id, publication.message_id, publication.routing_key, count, error))
             if self.options.max_attempts is not None and count >= self.options.max_attempts:
                 logger.error(
                     "outbox row %d (message %s, queue %r) failed %d times and is no longer relayed: %s; fix the "
                     "cause, then run 'dramatiq-reliable outbox retry' (or delete the row)",
                     row_id,
-                    row[1],
-                    row[2],
+                    publication.message_id,
+                    publication.routing_key,
                     count,
                     error,
                 )
@@ -424,12 +494,13 @@ class Relay:
     def drain(self) -> int:
         """Run passes until the backlog is empty (or the relay is stopped); return rows published.
 
-        Under a backlog (a full batch) a helper thread claims the next batch while RabbitMQ
-        confirms the one in hand, and records that one's outcome while the next is published,
-        so Postgres round trips overlap the publishing instead of adding to it.  Each batch
-        keeps its own transaction: a row is marked only after its confirm, as in
-        :meth:`drain_once`.  The pass that finds the backlog empty runs on the calling thread
-        alone, with no helper thread started.
+        A pass that claimed a full batch, or that ``max_batch_bytes`` cut short (rows left for
+        later, however few), is not the end of the backlog: another pass follows.  Under a
+        backlog a helper thread claims the next batch while RabbitMQ confirms the one in hand,
+        and records that one's outcome while the next is published, so Postgres round trips
+        overlap the publishing instead of adding to it.  Each batch keeps its own transaction:
+        a row is marked only after its confirm, as in :meth:`drain_once`.  A backlog that fits
+        in one pass is drained on the calling thread alone, with no helper thread started.
         """
         if self._stop.is_set():
             return 0
@@ -441,7 +512,13 @@ class Relay:
         return self._drain_overlapped(batch)
 
     def _more_after(self, batch: _Batch) -> bool:
-        return batch.claimed >= self.batch_size and not self._stop.is_set()
+        """Whether rows may wait after ``batch``: it claimed a full batch, or left rows for later.
+
+        A batch that ``max_batch_bytes`` cut short locked rows it did not publish: they are the
+        backlog's next rows however few were claimed.
+        """
+        full_or_cut = batch.claimed >= self.batch_size or batch.deferred > 0
+        return full_or_cut and not self._stop.is_set()
 
     def _drain_overlapped(self, first: _Batch) -> int:
         """:meth:`drain` under a backlog: Postgres work on a helper thread, publishing on this one.
@@ -460,7 +537,7 @@ class Relay:
                     more = self._more_after(batch)
                     # Rows a batch left for later (max_batch_bytes) stay locked until it commits: claim
                     # after that commit, so they go out next, as without the helper.
-                    overlap = more and len(batch.rows) == batch.claimed
+                    overlap = more and not batch.deferred
                     ahead = helper.submit(self._claim) if overlap else None
                     outcome = self._publish(batch)
                     done = helper.submit(batch.finish, self, outcome)
@@ -650,11 +727,11 @@ class Relay:
         if self._listener is None:
             return True
         row = (
-            _sql.tuples(self._listener)
-            .execute(_sql.query("outbox_probe", self.schema), {"max_attempts": self.options.max_attempts or _NO_LIMIT})
+            self._listener.cursor(row_factory=dict_row)
+            .execute(_sql.query("outbox_probe", self.schema), {"max_attempts": self.options.max_attempts or _INT_MAX})
             .fetchone()
         )
-        return bool(row and row[0])
+        return bool(row and row["claimable"])
 
 
 class _Batch:
@@ -669,7 +746,6 @@ class _Batch:
         stack: contextlib.ExitStack,
         conn: psycopg.Connection[Any],
         claimed: int,
-        rows: list[Any],
         publications: list[Publication],
         started: float,
     ) -> None:
@@ -677,8 +753,10 @@ class _Batch:
         self.conn = conn
         #: Rows locked, those left for later by ``max_batch_bytes`` included.
         self.claimed = claimed
-        self.rows = rows
+        #: The leading rows within ``max_batch_bytes``: what this batch publishes.
         self.publications = publications
+        #: Rows locked but left for the next pass by ``max_batch_bytes``.
+        self.deferred = claimed - len(publications)
         self.started = started
         self.committed_at = started
         self.publish_started_ns = 0
@@ -691,7 +769,7 @@ class _Batch:
                 done = "outbox_delete_published" if relay.on_published == "delete" else "outbox_mark_published"
                 self.conn.execute(_sql.query(done, relay.schema), {"ids": outcome.confirmed})
             if outcome.failed:
-                relay._record_failures(self.conn, self.rows, outcome.failed, outcome.timed_out)
+                relay._record_failures(self.conn, self.publications, outcome.failed, outcome.timed_out)
         except BaseException as error:
             self.abort(error)
             raise
@@ -704,7 +782,13 @@ class _Batch:
 
     def result(self, outcome: PublishOutcome) -> RelayPass:
         # Rows left out by max_batch_bytes count as claimed: drain() goes on to the next pass.
-        return RelayPass(len(outcome.confirmed), len(outcome.failed), self.claimed - len(self.rows))
+        return RelayPass(len(outcome.confirmed), len(outcome.failed), self.deferred)
+
+
+def _idle_timeout_ms(options: RelayOptions) -> int:
+    """How long Postgres lets a claim's transaction idle: the confirms (twice, the one-by-one
+    retry of a channel error) and a statement, within Postgres's integer of milliseconds."""
+    return min(_INT_MAX, 2 * options.confirm_timeout_ms + options.statement_timeout_ms)
 
 
 def _abandon(claim: Future[_Batch | None]) -> None:
@@ -717,11 +801,11 @@ def _abandon(claim: Future[_Batch | None]) -> None:
         batch.abort(psycopg.Rollback())
 
 
-def _within_bytes(rows: list[Any], max_bytes: int) -> list[Any]:
+def _within_bytes(rows: list[dict[str, Any]], max_bytes: int) -> list[dict[str, Any]]:
     """The leading rows whose bodies fit in ``max_bytes`` (always the first one)."""
     total = 0
     for index, row in enumerate(rows):
-        total += int(row[5])
+        total += int(row["size"])
         if total > max_bytes and index > 0:
             return rows[:index]
     return rows
@@ -730,10 +814,8 @@ def _within_bytes(rows: list[Any], max_bytes: int) -> list[Any]:
 def purge_published(database: DatabaseLike, *, schema: str, older_than_ms: int, batch_size: int = 5000) -> int:
     """Delete published outbox rows older than ``older_than_ms``, in batches; return the count."""
     database = Database.of(database)
-    if isinstance(older_than_ms, bool) or not isinstance(older_than_ms, int) or older_than_ms < 0:
-        raise ConfigurationError(f"older_than_ms must be a non-negative int, got {older_than_ms!r}")
-    if not is_int(batch_size) or batch_size < 1:
-        raise ConfigurationError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_ms("older_than_ms", older_than_ms)
+    check_int("batch_size", batch_size, minimum=1, maximum=_INT_MAX)
     total = 0
     while True:
         with database.connection() as conn, conn.transaction():
@@ -753,19 +835,46 @@ class WorkerRelay(Middleware):
     in the same pass.  The thread starts when the worker boots and stops, finishing its batch,
     when the worker shuts down.
 
+    The options are :class:`Relay`'s, checked here, where a mistake is written (at worker boot
+    Dramatiq would only log it); the RabbitMQ parameters, pool, schema and ``max_priority``
+    come from the broker.
+
     >>> broker = OutboxBroker(url=..., database=...)        # doctest: +SKIP
     >>> broker.add_middleware(WorkerRelay())                     # doctest: +SKIP
     """
 
-    def __init__(self, **relay_options: Any) -> None:
-        for taken in ("rabbitmq_url", "parameters", "database", "schema"):
-            if taken in relay_options:
-                raise ConfigurationError(
-                    f"WorkerRelay takes {taken}= from the OutboxBroker; drop it and configure the broker instead"
-                )
-        # Validate now, where the mistake is made: at worker boot Dramatiq would only log it.
-        RelayOptions.from_kwargs(relay_options, owner="WorkerRelay")
-        self.relay_options = relay_options
+    def __init__(
+        self,
+        *,
+        batch_size: int = RelayOptions.batch_size,
+        poll_interval_ms: int = RelayOptions.poll_interval_ms,
+        on_published: OnPublished = RelayOptions.on_published,
+        retention_ms: int | None = RelayOptions.retention_ms,
+        purge_interval_ms: int = RelayOptions.purge_interval_ms,
+        confirm_timeout_ms: int = RelayOptions.confirm_timeout_ms,
+        backoff_min_ms: int = RelayOptions.backoff_min_ms,
+        backoff_max_ms: int = RelayOptions.backoff_max_ms,
+        row_backoff_max_ms: int = RelayOptions.row_backoff_max_ms,
+        listen: bool = RelayOptions.listen,
+        max_batch_bytes: int = RelayOptions.max_batch_bytes,
+        max_attempts: int | None = RelayOptions.max_attempts,
+        statement_timeout_ms: int = RelayOptions.statement_timeout_ms,
+    ) -> None:
+        self.options = RelayOptions(
+            batch_size=batch_size,
+            poll_interval_ms=poll_interval_ms,
+            on_published=on_published,
+            retention_ms=retention_ms,
+            purge_interval_ms=purge_interval_ms,
+            confirm_timeout_ms=confirm_timeout_ms,
+            backoff_min_ms=backoff_min_ms,
+            backoff_max_ms=backoff_max_ms,
+            row_backoff_max_ms=row_backoff_max_ms,
+            listen=listen,
+            max_batch_bytes=max_batch_bytes,
+            max_attempts=max_attempts,
+            statement_timeout_ms=statement_timeout_ms,
+        )
         self.relay: Relay | None = None
         self._thread: threading.Thread | None = None
 
@@ -777,7 +886,7 @@ class WorkerRelay(Middleware):
                 type(broker).__name__,
             )
             return
-        self.relay = Relay.from_broker(broker, **self.relay_options)
+        self.relay = Relay.from_broker(broker, **dataclasses.asdict(self.options))
         self._thread = threading.Thread(target=self.relay.run, name="dramatiq-reliable-relay", daemon=True)
         self._thread.start()
 
@@ -793,9 +902,20 @@ class WorkerRelay(Middleware):
             self._thread = None
 
 
-def _outbox_broker(broker: object) -> Any:
-    """``broker`` if its sends go to the outbox and it has RabbitMQ parameters to publish with, else ``None``."""
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """What a relay built from a broker takes from it: where to publish and where the rows are."""
+
+    parameters: Any
+    max_priority: int | None
+    database: Database
+    schema: str
+
+
+def _outbox_broker(broker: object) -> _Source | None:
+    """Where ``broker``'s sends go and are published from, if it sends to the outbox and has RabbitMQ
+    parameters to publish with; else ``None``."""
     backed = postgres_backed(broker)
     if backed is None or backed.sends_to != "outbox" or not isinstance(broker, RabbitmqBroker):
         return None
-    return broker
+    return _Source(broker.parameters, broker.max_priority, backed.database, backed.schema)

@@ -5,4 +5,4 @@ SELECT EXISTS (
     SELECT 1
     FROM {schema}.outbox
     WHERE published_at IS NULL AND available_at <= now() AND attempts < %(max_attempts)s
-)
+) AS claimable

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from .._checks import check_ms
 from ..outbox.broker import OutboxBroker
-from ..outbox.relay import Relay
+from ..outbox.relay import OnPublished, Relay, RelayOptions
 from .dead_letters import InMemoryDeadLetterStore
 from .idempotency import InMemoryIdempotencyStore
 
@@ -25,6 +26,8 @@ T = TypeVar("T")
 
 def wait_for(condition: Callable[[], T], *, timeout_ms: int = 10_000, interval_ms: int = 20, message: str = "") -> T:
     """Poll ``condition`` until it returns something truthy and return that; fail after ``timeout_ms``."""
+    check_ms("timeout_ms", timeout_ms)
+    check_ms("interval_ms", interval_ms, minimum=1)
     deadline = time.monotonic() + timeout_ms / 1000
     while True:
         value = condition()
@@ -35,9 +38,44 @@ def wait_for(condition: Callable[[], T], *, timeout_ms: int = 10_000, interval_m
         time.sleep(interval_ms / 1000)
 
 
-def drain_outbox(broker: OutboxBroker, **relay_options: Any) -> int:
-    """Publish every committed outbox row of ``broker`` to RabbitMQ now; return the count."""
-    relay = Relay.from_broker(broker, **relay_options)
+def drain_outbox(
+    broker: OutboxBroker,
+    *,
+    batch_size: int = RelayOptions.batch_size,
+    poll_interval_ms: int = RelayOptions.poll_interval_ms,
+    on_published: OnPublished = RelayOptions.on_published,
+    retention_ms: int | None = RelayOptions.retention_ms,
+    purge_interval_ms: int = RelayOptions.purge_interval_ms,
+    confirm_timeout_ms: int = RelayOptions.confirm_timeout_ms,
+    backoff_min_ms: int = RelayOptions.backoff_min_ms,
+    backoff_max_ms: int = RelayOptions.backoff_max_ms,
+    row_backoff_max_ms: int = RelayOptions.row_backoff_max_ms,
+    listen: bool = RelayOptions.listen,
+    max_batch_bytes: int = RelayOptions.max_batch_bytes,
+    max_attempts: int | None = RelayOptions.max_attempts,
+    statement_timeout_ms: int = RelayOptions.statement_timeout_ms,
+) -> int:
+    """Publish every committed outbox row of ``broker`` to RabbitMQ now; return the count.
+
+    The options are :class:`~dramatiq_reliable.Relay`'s (``on_published="delete"``, say); the
+    drain runs on the calling thread and closes its RabbitMQ connection before it returns.
+    """
+    relay = Relay.from_broker(
+        broker,
+        batch_size=batch_size,
+        poll_interval_ms=poll_interval_ms,
+        on_published=on_published,
+        retention_ms=retention_ms,
+        purge_interval_ms=purge_interval_ms,
+        confirm_timeout_ms=confirm_timeout_ms,
+        backoff_min_ms=backoff_min_ms,
+        backoff_max_ms=backoff_max_ms,
+        row_backoff_max_ms=row_backoff_max_ms,
+        listen=listen,
+        max_batch_bytes=max_batch_bytes,
+        max_attempts=max_attempts,
+        statement_timeout_ms=statement_timeout_ms,
+    )
     try:
         return relay.drain()
     finally:

@@ -13,9 +13,11 @@ import time
 from typing import Any
 
 import dramatiq
+import psycopg
 import pytest
 from dramatiq.broker import MessageProxy
 from dramatiq.message import Message
+from support_cli import Terminal
 
 from dramatiq_reliable import OutboxBroker
 from dramatiq_reliable.cli import ExitCode, main
@@ -105,6 +107,67 @@ def test_outbox_stats_counts_its_rows_in_words(run, broker, queue_name):
     assert document["backlog"] == 1 and document["failing"] == 0
     # The row was sent a moment ago: an age in seconds (not ms, not null) well under a minute.
     assert isinstance(document["oldest_age_s"], (int, float)) and 0 <= document["oldest_age_s"] < 60
+
+
+def _published(db: Any, db_schema: str, *, days_ago: int, count: int) -> None:
+    """``count`` outbox rows published ``days_ago`` days ago: what ``outbox purge`` deletes."""
+    db.execute(
+        psycopg.sql.SQL(
+            "INSERT INTO {}.outbox (message_id, queue_name, actor_name, body, published_at) "
+            "SELECT 'm' || n, 'q', 'a', 'body', now() - make_interval(days => %s) FROM generate_series(1, %s) AS n"
+        ).format(psycopg.sql.Identifier(db_schema)),
+        (days_ago, count),
+    )
+
+
+def _kept(db: Any, db_schema: str) -> int:
+    query = psycopg.sql.SQL("SELECT count(*) FROM {}.outbox").format(psycopg.sql.Identifier(db_schema))
+    return int(db.execute(query).fetchone()[0])
+
+
+def test_outbox_purge_asks_first_takes_yes_and_refuses_without_a_terminal(run, db, db_schema, monkeypatch):
+    """Like the bulk dead-letter commands: a question on a terminal, --yes to skip it, exit 6 when declined.
+
+    Before: 'outbox purge --yes' was a usage error (exit 2), and the purge never asked.
+    """
+    _published(db, db_schema, days_ago=2, count=3)
+    _published(db, db_schema, days_ago=0, count=1)  # younger than --older-than: never counted nor deleted
+
+    code, out, err = run("outbox", "purge")  # pytest's stdin is no terminal
+    assert (code, out) == (ExitCode.ABORTED, "")
+    assert err == (
+        "dramatiq-reliable: error: refusing to delete 3 published outbox rows without confirmation: "
+        "stdin is not a terminal; pass --yes\n"
+    )
+    monkeypatch.setattr(sys, "stdin", Terminal("n\n"))
+    code, out, err = run("outbox", "purge")
+    assert (code, out) == (ExitCode.ABORTED, "")
+    assert err == "delete 3 published outbox rows older than 24.0h? [y/N] aborted; nothing changed\n"
+    assert _kept(db, db_schema) == 4
+
+    monkeypatch.setattr(sys, "stdin", Terminal("y\n"))
+    code, out, _ = run("outbox", "purge")
+    assert (code, out) == (ExitCode.OK, "deleted 3 published rows\n")
+    assert _kept(db, db_schema) == 1
+
+    monkeypatch.setattr(sys, "stdin", Terminal(""))  # asked nothing: --yes answers
+    _published(db, db_schema, days_ago=2, count=2)
+    code, out, err = run("outbox", "purge", "--yes", "--json")
+    assert (code, json.loads(out), err) == (ExitCode.OK, {"deleted": 2}, "")
+    _published(db, db_schema, days_ago=2, count=1)
+    code, out, err = run("outbox", "purge", "-y", "--older-than", "1h")
+    assert (code, out, err) == (ExitCode.OK, "deleted 1 published row\n", "")
+    assert _kept(db, db_schema) == 1
+
+
+def test_outbox_purge_with_nothing_to_delete_asks_nothing(run, db, db_schema):
+    """A scheduled purge that finds nothing past retention succeeds without --yes."""
+    _published(db, db_schema, days_ago=0, count=1)
+    code, out, err = run("outbox", "purge")
+    assert (code, out, err) == (ExitCode.OK, "deleted 0 published rows\n", "")
+    code, out, err = run("outbox", "purge", "--json")
+    assert (code, json.loads(out), err) == (ExitCode.OK, {"deleted": 0}, "")
+    assert _kept(db, db_schema) == 1
 
 
 def test_no_info_log_line_is_mixed_into_a_commands_output(run, broker):

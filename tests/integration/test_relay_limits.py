@@ -17,6 +17,7 @@ from dramatiq.message import Message
 from support import TcpProxy
 
 from dramatiq_reliable import OutboxBroker, PayloadError, Relay
+from dramatiq_reliable.cli import ExitCode, main
 from dramatiq_reliable.testing import wait_for
 
 pytestmark = pytest.mark.integration
@@ -189,3 +190,67 @@ def test_send_refuses_bad_options_like_a_bad_payload_and_the_caller_can_still_co
         conn.execute("INSERT INTO done VALUES (1)")
         task.send()
     assert len(_rows(db, db_schema)) == 1, "the transaction committed with the good send"
+
+
+def _unpublished(db: psycopg.Connection[Any], db_schema: str) -> int:
+    return sum(1 for row in _rows(db, db_schema).values() if not row[0])
+
+
+@pytest.mark.parametrize("batch_size", [500, 4], ids=["rows-fewer-than-a-batch", "rows-over-a-batch"])
+def test_drain_publishes_a_backlog_short_in_rows_but_long_in_bytes(
+    broker, queue_name, rabbit, db, db_schema, batch_size
+):
+    """A pass that left rows for later by max_batch_bytes is not the end of the backlog.
+
+    Before: with fewer rows than batch_size (or a last batch short of it) drain() stopped after
+    the pass that deferred rows: 1 of 6 rows published (4 of 6 in batches of 4), the rest left.
+    """
+    task = dramatiq.actor(lambda blob: None, actor_name=f"{queue_name}_a", queue_name=queue_name, broker=broker)
+    broker.max_payload_bytes = None
+    with broker.transaction():
+        for i in range(6):
+            task.send(f"{i}-" + "x" * 2048)  # each row alone is over max_batch_bytes
+    relay = Relay.from_broker(broker, batch_size=batch_size, max_batch_bytes=1024, listen=False)
+    try:
+        assert relay.drain() == 6
+    finally:
+        relay.publisher.close()
+    assert _unpublished(db, db_schema) == 0
+    assert len(rabbit.take_all(queue_name, expect=6)) == 6
+
+
+def test_relay_once_publishes_a_backlog_short_in_rows_but_long_in_bytes(
+    broker, queue_name, rabbit, db, db_schema, database_url, rabbitmq_url, capsys
+):
+    """``relay --once`` drains rows left for later by the default 4 MiB max_batch_bytes.
+
+    Before: it printed "published 1 row" and exited 0 with 2 of 3 rows left in the outbox.
+    """
+    task = dramatiq.actor(lambda blob: None, actor_name=f"{queue_name}_a", queue_name=queue_name, broker=broker)
+    broker.max_payload_bytes = None
+    with broker.transaction():
+        for i in range(3):
+            task.send(f"{i}-" + "x" * (2 * 1024 * 1024 + 4096))  # two rows do not fit in 4 MiB
+    code = main(
+        ["relay", "--once", "--database-url", database_url, "--rabbitmq-url", rabbitmq_url, "--schema", db_schema]
+    )
+    out, _ = capsys.readouterr()
+    assert (code, out) == (ExitCode.OK, "published 3 rows\n")
+    assert _unpublished(db, db_schema) == 0
+    assert rabbit.count(queue_name) == 3
+
+
+def test_a_confirm_timeout_of_weeks_still_claims(broker, queue_name, rabbit, db, db_schema):
+    """The claim's idle bound (twice the confirm timeout plus a statement) stays within Postgres's range.
+
+    Before: confirm_timeout_ms=30 days passed validation and every claim failed with Postgres's
+    "outside the valid range" for idle_in_transaction_session_timeout.
+    """
+    task = dramatiq.actor(lambda: None, actor_name=f"{queue_name}_a", queue_name=queue_name, broker=broker)
+    task.send()
+    relay = Relay.from_broker(broker, confirm_timeout_ms=30 * 86_400_000, listen=False)
+    try:
+        assert relay.drain() == 1
+    finally:
+        relay.publisher.close()
+    assert _unpublished(db, db_schema) == 0

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
+from typing import Any
 
 import pytest
+from dramatiq.brokers.stub import StubBroker
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dramatiq_reliable import ConfigurationError, OutboxBroker, Relay, bind, schema
+from dramatiq_reliable import ConfigurationError, OutboxBroker, Relay, RelayOptions, WorkerRelay, bind, schema
 from dramatiq_reliable._sql import compose, validate_schema
 from dramatiq_reliable.binding import bound_connection
 from dramatiq_reliable.cli.common import duration_ms as _duration_ms
 from dramatiq_reliable.database import Database
 from dramatiq_reliable.outbox import wake
+from dramatiq_reliable.testing import drain_outbox
 
 
 def test_bind_rejects_what_is_not_a_psycopg_connection_and_says_what_to_pass():
@@ -68,10 +73,20 @@ def test_constructing_a_broker_does_no_io():
 @pytest.mark.parametrize(
     ("kwargs", "fix"),
     [
-        ({"batch_size": 0}, "batch_size must be an int >= 1"),
-        ({"on_published": "archive"}, "on_published must be 'mark' or 'delete'"),
-        ({"backoff_min_ms": 500, "backoff_max_ms": 100}, "backoff_max_ms must be an int >= 500"),
-        ({"retention_ms": -1}, "retention_ms must be a non-negative int"),
+        ({"batch_size": 0}, "batch_size must be an int from 1 to 2147483647, got 0"),
+        ({"batch_size": True}, "batch_size must be an int from 1 to 2147483647, got True"),
+        ({"on_published": "archive"}, "on_published must be 'mark' or 'delete', got 'archive'"),
+        (
+            {"backoff_min_ms": 500, "backoff_max_ms": 100},
+            "backoff_max_ms must be an int >= 500 .milliseconds., got 100",
+        ),
+        ({"retention_ms": -1}, "retention_ms must be an int >= 0 .milliseconds. or None, got -1; None keeps"),
+        ({"poll_interval_ms": 10**30}, "poll_interval_ms must be at most 3153600000000 milliseconds"),
+        ({"statement_timeout_ms": 2**31}, "statement_timeout_ms must be at most 2147483647 milliseconds"),
+        ({"max_attempts": 0}, "max_attempts must be an int from 1 to 2147483647 or None, got 0"),
+        ({"max_priority": 256}, "max_priority must be an int from 1 to 255 or None, got 256"),
+        ({"listen": 1}, "listen must be True or False, got 1"),
+        ({"max_batch_bytes": "4MiB"}, "max_batch_bytes must be an int >= 1, got '4MiB'"),
     ],
 )
 def test_relay_validates_its_arguments(kwargs, fix):
@@ -79,9 +94,37 @@ def test_relay_validates_its_arguments(kwargs, fix):
         Relay(rabbitmq_url="amqp://127.0.0.1:1", database="postgresql://127.0.0.1:1/x", **kwargs)
 
 
-def test_relay_from_broker_needs_an_outbox_broker():
-    from dramatiq.brokers.stub import StubBroker
+def _options(function: Any) -> dict[str, tuple[Any, Any]]:
+    """The keyword-only parameters of ``function`` a relay option names: {name: (annotation, default)}."""
+    fields = {field.name for field in dataclasses.fields(RelayOptions)}
+    return {
+        name: (parameter.annotation, parameter.default)
+        for name, parameter in inspect.signature(function).parameters.items()
+        if name in fields and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    }
 
+
+@pytest.mark.parametrize(
+    "function",
+    [Relay, Relay.from_broker, WorkerRelay, drain_outbox],
+    ids=["Relay", "Relay.from_broker", "WorkerRelay", "drain_outbox"],
+)
+def test_every_relay_option_is_an_explicit_keyword_with_the_one_default(function):
+    """Editors and mypy see every option: spelt out, typed, defaulting to RelayOptions' value, no **options."""
+    expected = {field.name: (field.type, field.default) for field in dataclasses.fields(RelayOptions)}
+    assert _options(function) == expected
+    kinds = {parameter.kind for parameter in inspect.signature(function).parameters.values()}
+    assert inspect.Parameter.VAR_KEYWORD not in kinds
+
+
+def test_a_misspelt_relay_option_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'batchsize'"):
+        Relay(rabbitmq_url="amqp://127.0.0.1:1", database="postgresql://127.0.0.1:1/x", batchsize=10)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'batchsize'"):
+        Relay.from_broker(StubBroker(), batchsize=10)  # type: ignore[call-arg]
+
+
+def test_relay_from_broker_needs_an_outbox_broker():
     with pytest.raises(ConfigurationError, match="needs a broker that sends through the outbox"):
         Relay.from_broker(StubBroker())  # type: ignore[arg-type]
 
@@ -121,22 +164,27 @@ def test_cli_rejects_a_garbage_duration_with_an_example():
 
 
 def test_worker_relay_options_are_checked_where_they_are_written():
-    from dramatiq_reliable import WorkerRelay
-
-    with pytest.raises(ConfigurationError, match="batch_size must be an int >= 1"):
+    with pytest.raises(ConfigurationError, match="batch_size must be an int from 1"):
         WorkerRelay(batch_size=0)
-    with pytest.raises(ConfigurationError, match="unknown option"):
-        WorkerRelay(batchsize=10)
-    with pytest.raises(ConfigurationError, match="from the OutboxBroker"):
-        WorkerRelay(database="postgresql://x")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'batchsize'"):
+        WorkerRelay(batchsize=10)  # type: ignore[call-arg]
+    # Where the relay publishes and reads comes from the broker, never from the middleware.
+    for taken in ("database", "schema", "rabbitmq_url", "max_priority"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{taken}'"):
+            WorkerRelay(**{taken: "x"})
+    assert WorkerRelay(on_published="delete", max_attempts=None).options == RelayOptions(
+        on_published="delete", max_attempts=None
+    )
 
 
 def test_purge_refuses_a_batch_that_would_never_finish():
     from dramatiq_reliable.outbox import purge_published
 
     database = Database(url="postgresql://127.0.0.1:1/x")
-    with pytest.raises(ConfigurationError, match="batch_size must be a positive int"):
+    with pytest.raises(ConfigurationError, match="batch_size must be an int from 1"):
         purge_published(database, schema="s", older_than_ms=0, batch_size=0)
+    with pytest.raises(ConfigurationError, match="older_than_ms must be at most"):
+        purge_published(database, schema="s", older_than_ms=10**30)
 
 
 def test_a_relay_that_keeps_rows_purges_only_when_told_how_old():
@@ -168,3 +216,25 @@ def test_idle_sleeps_are_jittered_so_relays_do_not_probe_in_lockstep() -> None:
 def test_the_wake_channel_is_named_after_the_schema() -> None:
     """The channel the relays listen on and wake_relays() notifies."""
     assert wake.channel("app") == "app.outbox"
+
+
+def test_outbox_admin_refuses_bad_bounds_before_touching_the_connection():
+    from dramatiq_reliable.outbox.admin import failing_rows, outbox_stats, published_older_than
+
+    untouched: Any = object()  # any use of the connection would fail with AttributeError
+    for limit in (0, True, 2**63):
+        with pytest.raises(ConfigurationError, match="limit must be an int from 1 to"):
+            failing_rows(untouched, limit=limit)
+    with pytest.raises(ConfigurationError, match="statement_timeout_ms must be at most 2147483647"):
+        outbox_stats(untouched, statement_timeout_ms=2**31)
+    with pytest.raises(ConfigurationError, match="older_than_ms must be an int >= 0"):
+        published_older_than(untouched, older_than_ms=-1)
+
+
+def test_wait_for_refuses_an_interval_that_would_spin():
+    from dramatiq_reliable.testing import wait_for
+
+    with pytest.raises(ConfigurationError, match="interval_ms must be an int >= 1"):
+        wait_for(lambda: True, interval_ms=0)
+    with pytest.raises(ConfigurationError, match="timeout_ms must be an int >= 0"):
+        wait_for(lambda: True, timeout_ms=-1)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pika
+import pytest
 
+from dramatiq_reliable import ConfigurationError
 from dramatiq_reliable.outbox.publisher import Publisher
 
 URL = "amqp://guest:guest@127.0.0.1:1/%2F"
@@ -24,3 +26,16 @@ def test_every_url_of_a_cluster_list_is_bounded() -> None:
     publisher = Publisher([pika.URLParameters(URL), pika.URLParameters(URL + "?blocked_connection_timeout=2")])
     first, second = publisher._declarer.parameters
     assert (first.blocked_connection_timeout, second.blocked_connection_timeout) == (30.0, 2.0)
+
+
+@pytest.mark.parametrize(
+    ("options", "fix"),
+    [
+        ({"max_priority": 0}, "max_priority must be an int from 1 to 255 or None, got 0"),
+        ({"confirm_timeout_ms": 0}, "confirm_timeout_ms must be an int >= 1 .milliseconds., got 0"),
+        ({"confirm_timeout_ms": 1.5}, "confirm_timeout_ms must be an int >= 1 .milliseconds., got 1.5"),
+    ],
+)
+def test_a_publisher_refuses_bad_bounds_with_the_one_checker(options, fix) -> None:
+    with pytest.raises(ConfigurationError, match=fix):
+        Publisher(pika.URLParameters(URL), **options)
