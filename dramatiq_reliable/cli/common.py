@@ -426,16 +426,20 @@ def open_database(args: argparse.Namespace, *, max_size: int = 2) -> Iterator[Da
         database.close()
 
 
-def confirm(args: argparse.Namespace, question: str, what: str) -> bool:
+def confirm(args: argparse.Namespace, question: str, what: str, *, unattended: bool = False) -> bool:
     """Whether to go ahead with ``what`` (``"delete 12 rows"``): ``--yes`` says so at once.
 
     On a terminal the user is asked ``question? [y/N]`` on stderr and only ``y`` or ``yes``
     goes ahead.  Without a terminal and without ``--yes`` it refuses, saying so in one line, so
-    a script never deletes by accident; the caller then exits ``ABORTED``.
+    a script never deletes by accident; the caller then exits ``ABORTED``.  ``unattended=True``
+    (the purges, which delete only what retention already expired and run from schedules) goes
+    ahead without a terminal instead.
     """
     if args.yes:
         return True
     if not sys.stdin.isatty():
+        if unattended:
+            return True
         print_error(f"refusing to {what} without confirmation: stdin is not a terminal; pass --yes")
         return False
     print(f"{question}? [y/N] ", end="", file=sys.stderr, flush=True)

@@ -1,8 +1,8 @@
 """``dramatiq-reliable outbox``: the backlog at a glance, a fresh start for failing rows, and the purge of published rows.
 
-``outbox purge`` counts what it would delete and asks first, as ``dead-letters replay`` and
-``discard`` do: ``--yes`` skips the question, and without a terminal and without ``--yes`` it
-refuses with exit code 6 (``ABORTED``), as does a declined question.
+``outbox purge`` counts what it would delete and, on a terminal, asks first (a declined question
+exits 6, ``ABORTED``); ``--yes`` skips the question.  Without a terminal it goes ahead, as the
+other purges do: it deletes only rows past retention, and it runs from schedules.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def register(
         parents=list(parents),
         help="delete published rows past retention",
         description="Delete published rows older than --older-than (a relay with --on-published mark keeps them). "
-        "Counts them and asks first; --yes skips the question, and without a terminal it is required (exit 6 "
-        "otherwise).",
+        "On a terminal it counts them and asks first (--yes skips the question); without a terminal (cron) it "
+        "goes ahead, as the other purges do.",
     )
     purge.add_argument(
         "--older-than", type=Duration(), default="1d", metavar="DURATION", help="delete published rows older than this"
@@ -95,7 +95,7 @@ def _purge(args: argparse.Namespace) -> int:
         if waiting:
             rows = output.count(waiting, "published outbox row")
             question = f"delete {rows} older than {output.age(args.older_than / 1000)}"
-            if not confirm(args, question, f"delete {rows}"):
+            if not confirm(args, question, f"delete {rows}", unattended=True):
                 return ExitCode.ABORTED
             deleted = purge_published(database, schema=args.schema, older_than_ms=args.older_than)
     if args.json:

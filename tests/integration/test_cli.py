@@ -125,20 +125,17 @@ def _kept(db: Any, db_schema: str) -> int:
     return int(db.execute(query).fetchone()[0])
 
 
-def test_outbox_purge_asks_first_takes_yes_and_refuses_without_a_terminal(run, db, db_schema, monkeypatch):
-    """Like the bulk dead-letter commands: a question on a terminal, --yes to skip it, exit 6 when declined.
+def test_outbox_purge_asks_on_a_terminal_takes_yes_and_runs_unattended_from_a_schedule(
+    run, db, db_schema, monkeypatch
+):
+    """A question on a terminal, --yes to skip it, exit 6 when declined; a cron job (no terminal)
+    goes ahead, as the other purges do.
 
     Before: 'outbox purge --yes' was a usage error (exit 2), and the purge never asked.
     """
     _published(db, db_schema, days_ago=2, count=3)
     _published(db, db_schema, days_ago=0, count=1)  # younger than --older-than: never counted nor deleted
 
-    code, out, err = run("outbox", "purge")  # pytest's stdin is no terminal
-    assert (code, out) == (ExitCode.ABORTED, "")
-    assert err == (
-        "dramatiq-reliable: error: refusing to delete 3 published outbox rows without confirmation: "
-        "stdin is not a terminal; pass --yes\n"
-    )
     monkeypatch.setattr(sys, "stdin", Terminal("n\n"))
     code, out, err = run("outbox", "purge")
     assert (code, out) == (ExitCode.ABORTED, "")
@@ -157,6 +154,12 @@ def test_outbox_purge_asks_first_takes_yes_and_refuses_without_a_terminal(run, d
     _published(db, db_schema, days_ago=2, count=1)
     code, out, err = run("outbox", "purge", "-y", "--older-than", "1h")
     assert (code, out, err) == (ExitCode.OK, "deleted 1 published row\n", "")
+    assert _kept(db, db_schema) == 1
+
+    monkeypatch.undo()  # pytest's own stdin is no terminal: a scheduled purge asks nothing
+    _published(db, db_schema, days_ago=2, count=2)
+    code, out, err = run("outbox", "purge")
+    assert (code, out, err) == (ExitCode.OK, "deleted 2 published rows\n", "")
     assert _kept(db, db_schema) == 1
 
 
