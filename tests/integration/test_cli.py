@@ -125,9 +125,7 @@ def _kept(db: Any, db_schema: str) -> int:
     return int(db.execute(query).fetchone()[0])
 
 
-def test_outbox_purge_asks_on_a_terminal_takes_yes_and_runs_unattended_from_a_schedule(
-    run, db, db_schema, monkeypatch
-):
+def test_outbox_purge_asks_on_a_terminal_takes_yes_and_runs_unattended_from_a_schedule(run, db, db_schema, monkeypatch):
     """A question on a terminal, --yes to skip it, exit 6 when declined; a cron job (no terminal)
     goes ahead, as the other purges do.
 
