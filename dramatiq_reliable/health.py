@@ -762,6 +762,7 @@ class HealthMonitor:
         statement_timeout_ms: int = 2000,
     ) -> None:
         check_ms("ttl_ms", ttl_ms, minimum=0, fix="e.g. ttl_ms=10000")
+        check_ms("statement_timeout_ms", statement_timeout_ms, minimum=1, fix="e.g. statement_timeout_ms=2000")
         self.database = database
         self.schema = _sql.validate_schema(schema)
         self.rabbitmq = rabbitmq

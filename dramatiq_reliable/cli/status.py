@@ -69,7 +69,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         type=queue_name,
         default=[],
         metavar="NAME",
-        help="a queue to report on (repeatable); queues found in the outbox and dead letters are added",
+        help="a queue to report on (repeatable); queues found in the outbox, the Postgres queue table and the "
+        "dead letters are added",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--skip-rabbitmq", action="store_true", help="do not connect to RabbitMQ")

@@ -132,3 +132,11 @@ def test_a_queue_name_is_one_rabbitmq_can_hold_with_its_suffixes(name):
     except UnicodeEncodeError:
         size = None
     assert is_queue_name(name) == (size is not None and 0 < size <= 252)
+
+
+@pytest.mark.parametrize("arguments", [{"ttl_ms": -1}, {"statement_timeout_ms": True}, {"statement_timeout_ms": 0}])
+def test_a_health_monitor_refuses_bad_durations(arguments):
+    from dramatiq_reliable.health import HealthMonitor
+
+    with pytest.raises(ConfigurationError):
+        HealthMonitor(database=None, **arguments)
