@@ -35,6 +35,7 @@ __all__ = [
     "Parser",
     "UsageError",
     "common_parents",
+    "configured_rabbitmq_url",
     "connect",
     "database_url",
     "duration_ms",
@@ -225,7 +226,11 @@ def queue_name(text: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 _ENV = {"database_url": "DATABASE_URL", "rabbitmq_url": "RABBITMQ_URL"}
-_DEFAULTS = {"database_url": DEFAULT_DATABASE_URL, "rabbitmq_url": DEFAULT_RABBITMQ_URL}
+
+
+def _default(dest: str) -> str:
+    """The local server's URL, read when used (so a test can point it elsewhere)."""
+    return DEFAULT_DATABASE_URL if dest == "database_url" else DEFAULT_RABBITMQ_URL
 
 
 def common_parents() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -253,7 +258,7 @@ def _url_help(dest: str, what: str) -> str:
     if current:
         shown = f"${variable}, now {_safe_url(current)}"
     else:
-        shown = f"${variable} if set, else {_safe_url(_DEFAULTS[dest])}"
+        shown = f"${variable} if set, else {_safe_url(_default(dest))}"
     # argparse %-formats help texts: a URL's %2F must reach it as %%2F.
     return f"{what} (default: {shown})".replace("%", "%%")
 
@@ -268,7 +273,7 @@ def _resolve(args: argparse.Namespace, dest: str) -> tuple[str, str]:
     from_env = os.environ.get(variable)
     if from_env:
         return from_env, f"${variable}"
-    return _DEFAULTS[dest], option
+    return _default(dest), option
 
 
 def database_url(args: argparse.Namespace) -> str:
@@ -287,6 +292,13 @@ def rabbitmq_url(args: argparse.Namespace) -> str:
     if problem:
         raise UsageError(f"{source} is not a valid RabbitMQ URL ({problem}); {_AMQP_EXAMPLE}")
     return url
+
+
+def configured_rabbitmq_url(args: argparse.Namespace) -> str | None:
+    """The RabbitMQ URL given with ``--rabbitmq-url`` or ``$RABBITMQ_URL``, checked; ``None``
+    when neither is set (the command would fall back to the local server's)."""
+    given = getattr(args, "rabbitmq_url", None) is not None or bool(os.environ.get(_ENV["rabbitmq_url"]))
+    return rabbitmq_url(args) if given else None
 
 
 def rabbitmq_parameters(args: argparse.Namespace) -> Any:

@@ -158,7 +158,9 @@ def register(
     stats.set_defaults(handler=_stats)
 
     replay = actions.add_parser(
-        "replay", parents=[*parents, filters, output, bulk], help="send dead letters again, through the outbox"
+        "replay",
+        parents=[*parents, filters, output, bulk],
+        help="send dead letters again, through the outbox (or onto the Postgres queues with --to queue)",
     )
     replay.add_argument("--to-queue", type=queue_name, help="send to this queue instead of the original one")
     replay.add_argument("--delay", type=Duration(), help="deliver after this long, e.g. 10m")
@@ -373,7 +375,7 @@ def _replay(args: argparse.Namespace) -> int:
             total, too_old = preview.total, preview.too_old
             if total == 0:
                 return _nothing(args, "replay", where, {"replayed": 0, "too_old": 0, "problems": {}})
-            question = f"replay {total:,} dead letter(s) ({where.describe()}) through the outbox"
+            question = f"replay {total:,} dead letter(s) ({where.describe()}) {_path(args.to)}"
             if too_old:
                 question += (
                     f"; {too_old:,} first sent more than {output.age(args.max_age / 1000)} ago stay dead "
@@ -395,8 +397,7 @@ def _replay(args: argparse.Namespace) -> int:
     if args.json:
         output.print_json(result.as_dict())
     else:
-        where_to = f"queue {args.to_queue!r}" if args.to_queue else "their queues"
-        print(f"replayed {result.replayed:,} dead letter(s) to {where_to} through the outbox; the relay publishes them")
+        print(f"replayed {result.replayed:,} dead letter(s) {_destination(args.to, args.to_queue, args.delay)}")
         if result.too_old and not ids:
             print(
                 f"{result.too_old:,} first sent more than {output.age(args.max_age / 1000)} ago stayed dead: "
@@ -470,6 +471,22 @@ def _import_xq(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
+
+
+def _path(to: str) -> str:
+    """The way a replay takes, for the confirmation question."""
+    return "onto the Postgres queues" if to == "queue" else "through the outbox"
+
+
+def _destination(to: str, queue: str | None, delay_ms: int | None) -> str:
+    """Where replays went and what moves them on: the relay for the outbox, the workers for the
+    Postgres queue table (no relay is involved there)."""
+    due = f", due in {output.age(delay_ms / 1000)}" if delay_ms else ""
+    if to == "queue":
+        where = f"Postgres queue {queue!r}" if queue else "their Postgres queues"
+        return f"to {where}{due}; PostgresBroker workers take them from the queue table"
+    where = f"queue {queue!r}" if queue else "their queues"
+    return f"to {where} through the outbox{due}; the relay publishes them"
 
 
 def _target(args: argparse.Namespace, verb: str) -> Selection | None:

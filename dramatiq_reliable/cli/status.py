@@ -6,9 +6,19 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..health import Health, QueueDepths, Thresholds, check_health, collect_health
+from ..health import Health, QueueDepths, SourceCounts, Thresholds, check_health, collect_health
 from . import output
-from .common import Duration, ExitCode, Integer, UsageError, database_url, print_error, queue_name, rabbitmq_url
+from .common import (
+    Duration,
+    ExitCode,
+    Integer,
+    UsageError,
+    configured_rabbitmq_url,
+    database_url,
+    print_error,
+    queue_name,
+    rabbitmq_url,
+)
 
 __all__ = ["register", "render_table"]
 
@@ -33,11 +43,22 @@ def register(
 
 
 _COMMAND_DESCRIPTION = """\
-Print the health numbers of every queue: RabbitMQ depth, delayed (.DQ) and failed (.XQ)
-messages, the outbox backlog and its oldest row, dead letters and the newest, retries waiting.
+Print the health numbers of every queue: messages waiting (depth), delayed and failed (.XQ),
+how long the oldest ready one has waited (Postgres queues), consumers, the outbox backlog and
+its oldest row, dead letters and the newest, retries waiting.
+
+A queue's messages wait in the Postgres queue table (PostgresBroker), in RabbitMQ (OutboxBroker),
+or in both while a deployment moves from one to the other: depth, delayed and .XQ are the sum
+of both places, and a cell whose queue has rows in Postgres says how the sum splits
+("5 = 2 pg + 3 mq"; --json gives in_postgres and in_rabbitmq for every queue).
+
+RabbitMQ is read when a URL is configured (--rabbitmq-url or $RABBITMQ_URL), and otherwise,
+at the local default, only if this schema's outbox was ever used: a PostgresBroker deployment
+has no RabbitMQ to be down.  --skip-rabbitmq never reads it.
 
 With --check, exit 5 when a threshold is crossed (the reasons go to stderr), for cron,
-Kubernetes probes and alerting.  Exit 3 when Postgres or RabbitMQ cannot be reached.
+Kubernetes probes and alerting.  Exit 3 when Postgres, or a RabbitMQ that is read, cannot be
+reached.
 """
 
 
@@ -48,7 +69,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         type=queue_name,
         default=[],
         metavar="NAME",
-        help="a queue to report on (repeatable); queues found in the outbox and dead letters are added",
+        help="a queue to report on (repeatable); queues found in the outbox, the Postgres queue table and the "
+        "dead letters are added",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--skip-rabbitmq", action="store_true", help="do not connect to RabbitMQ")
@@ -60,7 +82,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     limits.add_argument("--max-outbox-backlog", type=count, metavar="N", help="unpublished outbox rows")
     limits.add_argument("--max-dead-letters", type=count, metavar="N", help="dead letters waiting in Postgres")
-    limits.add_argument("--max-queue-depth", type=count, metavar="N", help="ready messages in RabbitMQ")
+    limits.add_argument(
+        "--max-queue-depth", type=count, metavar="N", help="messages waiting, in Postgres and RabbitMQ together"
+    )
+    limits.add_argument(
+        "--max-queue-age",
+        type=Duration(),
+        metavar="DURATION",
+        help="how long the oldest ready message has waited, e.g. 5m (Postgres queues: RabbitMQ does not tell)",
+    )
     limits.add_argument("--max-xq", type=count, metavar="N", help="messages in the queue's .XQ")
     limits.add_argument(
         "--max-xq-unstored",
@@ -79,16 +109,23 @@ def _handle(args: argparse.Namespace) -> int:
         max_queue_depth=args.max_queue_depth,
         max_xq=args.max_xq,
         max_xq_unstored=args.max_xq_unstored,
+        max_queue_age_ms=args.max_queue_age,
     )
     if thresholds.any() and not args.check:
         raise UsageError("the --max-* thresholds apply only with --check")
     database = database_url(args)
-    rabbitmq = None if args.skip_rabbitmq else QueueDepths(rabbitmq_url=rabbitmq_url(args))
+    # A configured URL is always read (down is an outage); the local default only where the
+    # schema shows RabbitMQ in use, so a PostgresBroker deployment is not "unavailable".
+    configured = None if args.skip_rabbitmq else configured_rabbitmq_url(args)
+    rabbitmq = None
+    if not args.skip_rabbitmq:
+        rabbitmq = QueueDepths(rabbitmq_url=configured if configured is not None else rabbitmq_url(args))
     try:
         health = collect_health(
             database=database,
             schema=args.schema,
             rabbitmq=rabbitmq,
+            rabbitmq_only_if_used=configured is None,
             queues=args.queue,
             discover_queues=True,
             retries_waiting=True,
@@ -126,6 +163,7 @@ _HEADERS = (
     "depth",
     "delayed",
     ".XQ",
+    "waited",
     "consumers",
     "outbox",
     "oldest",
@@ -137,23 +175,35 @@ _HEADERS = (
 
 
 def render_table(health: Health) -> str:
-    """The reading as an aligned text table, one queue a line, with totals when there are several."""
-    rows: list[tuple[str, ...]] = [
-        (
-            item.queue,
-            _n(item.depth),
-            _n(item.delayed),
-            _n(item.xq),
-            _n(item.consumers),
-            _n(item.outbox_backlog),
-            output.age(item.outbox_oldest_age_s),
-            _n(item.outbox_failing),
-            _n(item.dead_letters),
-            _ago(item.dead_letters_newest_age_s),
-            _n(item.retries_waiting),
+    """The reading as an aligned text table, one queue a line, with totals when there are several.
+
+    ``depth``, ``delayed`` and ``.XQ`` are the sums over Postgres and RabbitMQ; a cell of a queue
+    with rows in Postgres, in a reading that has RabbitMQ's numbers too, shows how it splits
+    (``5 = 2 pg + 3 mq``), and ``?`` marks the part of a place that could not be read.
+    ``waited`` is how long the oldest ready message of a Postgres queue has waited.
+    """
+    split = False
+    rows: list[tuple[str, ...]] = []
+    for item in health.queues:
+        cells = tuple(
+            _count(getattr(item, field), item.in_postgres, item.in_rabbitmq, field, health.queue_sources)
+            for field in ("depth", "delayed", "xq")
         )
-        for item in health.queues
-    ]
+        split = split or any(" pg" in cell for cell in cells)
+        rows.append(
+            (
+                item.queue,
+                *cells,
+                output.age(item.queue_oldest_age_s),
+                _n(item.consumers),
+                _n(item.outbox_backlog),
+                output.age(item.outbox_oldest_age_s),
+                _n(item.outbox_failing),
+                _n(item.dead_letters),
+                _ago(item.dead_letters_newest_age_s),
+                _n(item.retries_waiting),
+            )
+        )
     if len(health.queues) > 1:
         totals = health.totals()
         rows.append(
@@ -162,6 +212,7 @@ def render_table(health: Health) -> str:
                 _n(totals["depth"]),
                 _n(totals["delayed"]),
                 _n(totals["xq"]),
+                output.age(totals["queue_oldest_age_s"]),
                 "",
                 _n(totals["outbox_backlog"]),
                 output.age(totals["outbox_oldest_age_s"]),
@@ -172,16 +223,42 @@ def render_table(health: Health) -> str:
             )
         )
     if not rows:
-        return "no queues found in the outbox or the dead letters: name them with --queue"
-    text = output.table(_HEADERS, rows, right=range(1, len(_HEADERS)))
+        text = "no queues found in the outbox, the dead letters or the Postgres queue table: name them with --queue"
+    else:
+        text = output.table(_HEADERS, rows, right=range(1, len(_HEADERS)))
+    notes = []
+    if split:
+        notes.append("pg: rows in the Postgres queue table (PostgresBroker); mq: messages in RabbitMQ")
+    if health.rabbitmq_skipped is not None and health.postgres_error is None:
+        notes.append(f"RabbitMQ not read: {health.rabbitmq_skipped}")
     if health.dead_letters_table is False:
-        text += "\n(no dead-letter table in this schema: dead letters are not counted)"
-    return text
+        notes.append("no dead-letter table in this schema: dead letters are not counted")
+    return "\n".join([text, *(f"({note})" for note in notes)])
+
+
+def _count(
+    total: int | None,
+    in_postgres: SourceCounts | None,
+    in_rabbitmq: SourceCounts | None,
+    field: str,
+    sources: frozenset[str],
+) -> str:
+    """A depth, delayed or .XQ cell: the sum, and its split when Postgres holds part of it."""
+    if sources != {"postgres", "rabbitmq"}:
+        return _n(total)
+    postgres = None if in_postgres is None else getattr(in_postgres, field)
+    rabbitmq = None if in_rabbitmq is None else getattr(in_rabbitmq, field)
+    if total is not None:
+        return f"{total} = {postgres} pg + {rabbitmq} mq" if postgres else str(total)
+    # One place could not be read: its part is "?", shown only beside a part that holds some.
+    if not postgres and not rabbitmq:
+        return "-"
+    return f"{_n(postgres, '?')} pg + {_n(rabbitmq, '?')} mq"
 
 
 def _ago(seconds: float | None) -> str:
     return "-" if seconds is None else output.age(seconds) + " ago"
 
 
-def _n(value: int | None) -> str:
-    return "-" if value is None else str(value)
+def _n(value: int | None, unknown: str = "-") -> str:
+    return unknown if value is None else str(value)

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .common import Duration, ExitCode, Integer, UsageError, database_url, rabbitmq_url
+from .common import Duration, ExitCode, Integer, UsageError, configured_rabbitmq_url, database_url, rabbitmq_url
 
 __all__ = ["register"]
 
@@ -78,7 +78,11 @@ def register(
         help="where replays and manual schedule runs go: the outbox (OutboxBroker) or the Postgres queues "
         "(PostgresBroker)",
     )
-    parser.add_argument("--skip-rabbitmq", action="store_true", help="do not read queue depths from RabbitMQ")
+    parser.add_argument(
+        "--skip-rabbitmq",
+        action="store_true",
+        help="do not read queue depths from RabbitMQ (with --to queue and no RabbitMQ URL configured, none is read)",
+    )
     parser.add_argument(
         "--statement-timeout",
         type=Duration(minimum_ms=1),
@@ -120,7 +124,7 @@ def _web(args: argparse.Namespace) -> int:
         hide_args=args.hide_args,
         statement_timeout_ms=args.statement_timeout,
         target=args.to,
-        rabbitmq_url=None if args.skip_rabbitmq else rabbitmq_url(args),
+        rabbitmq_url=_rabbitmq_url(args),
     )
     logger.info(
         "serving the web page for schema %r on http://%s:%d%s (%s)",
@@ -141,6 +145,19 @@ def _web(args: argparse.Namespace) -> int:
             signal.signal(number, handler)
     logger.info("web page stopped")
     return ExitCode.OK
+
+
+def _rabbitmq_url(args: argparse.Namespace) -> str | None:
+    """Where the page reads queue depths: a configured URL (``--rabbitmq-url``, ``$RABBITMQ_URL``)
+    always; otherwise the local default for an ``OutboxBroker`` deployment (``--to outbox``), and
+    none for a ``PostgresBroker`` one (``--to queue``), whose page must not show a RabbitMQ it
+    does not have as down."""
+    if args.skip_rabbitmq:
+        return None
+    configured = configured_rabbitmq_url(args)
+    if configured is not None or args.to == "queue":
+        return configured
+    return rabbitmq_url(args)
 
 
 def _ignore(signum: int, frame: Any) -> None:

@@ -177,7 +177,7 @@ async def _dead_letter_action(request: Request, verb: Verb) -> Response:
         where_to = (
             "their queues through the outbox; the relay publishes them"
             if settings.target == "outbox"
-            else ("their Postgres queues")
+            else "their Postgres queues; PostgresBroker workers take them from the queue table"
         )
         flashes.append(Flash(f"replayed {done:,} dead letter(s) to {where_to}", "ok" if done else "warn"))
         if replayed.too_old:

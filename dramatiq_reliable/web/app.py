@@ -33,7 +33,7 @@ from .._util import redact
 from ..backing import SENDS_TO, SendsTo, postgres_backed
 from ..dead_letters import DEFAULT_REPLAY_MAX_AGE_MS, PostgresDeadLetterStore
 from ..errors import ConfigurationError, SchemaNotReady
-from ..health import QueueDepths, _is_queue_name
+from ..health import QueueDepths, is_queue_name
 from . import actions, views
 from .access import Access, AccessHook, cross_site_problem, resolve
 from .pools import ReadPool, action_database
@@ -124,7 +124,7 @@ def create_app(
         raise ConfigurationError(f"page_size must be an int from 1 to 1000, got {page_size!r}")
     queue_list = [str(name) for name in queues]
     for name in queue_list:
-        if not _is_queue_name(q_name(name)):
+        if not is_queue_name(q_name(name)):
             raise ConfigurationError(
                 f"queues= holds {name[:60]!r}, which cannot be a queue name; give Dramatiq queue names"
             )

@@ -100,9 +100,20 @@ def _health(request: Request) -> dict[str, Any]:
         problems.append(
             "no dead-letter table in this schema, so dead letters are not counted; run 'dramatiq-reliable migrate'"
         )
+    # Where Postgres and RabbitMQ both hold queues' messages, the cells say how each sum splits.
+    both_sources = health.queue_sources == {"postgres", "rabbitmq"}
     return {
         "health": health,
         "totals": health.totals(),
+        "both_sources": both_sources,
+        "split_legend": both_sources
+        and (
+            health.postgres_error is not None
+            or any(
+                item.in_postgres is not None and (item.in_postgres.depth or item.in_postgres.delayed)
+                for item in health.queues
+            )
+        ),
         "problems": problems,
         "outbox_age_problem_s": OUTBOX_AGE_PROBLEM_S,
         "scanned_ago_s": max(0.0, time.monotonic() - scanned_at) if scanned_at > float("-inf") else None,
