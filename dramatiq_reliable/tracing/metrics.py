@@ -134,7 +134,8 @@ class HealthGauges:
                 names.METRIC_QUEUE_DEPTH,
                 callbacks=[self._observe_depth],
                 unit="{message}",
-                description="Ready messages in RabbitMQ, by queue and kind (ready, delayed, xq).",
+                description="Messages waiting, by queue, kind (ready, delayed, xq) and place (messaging.system: "
+                "rabbitmq, or postgresql for the Postgres queue table).",
             )
 
     def disconnect(self) -> None:
@@ -204,14 +205,24 @@ class HealthGauges:
         return self._observe_postgres(lambda item: item.dead_letters)
 
     def _observe_depth(self, options: CallbackOptions) -> Iterable[Observation]:
+        # One point per place that was read (RabbitMQ, the Postgres queue table), so a place that
+        # is down hides only its own part: a dashboard sums the places.
         health = self._health()
-        if health is None or health.rabbitmq_error:
+        if health is None:
             return []
         observations = []
         for item in health.queues:
-            for kind, value in (("ready", item.depth), ("delayed", item.delayed), ("xq", item.xq)):
-                if value is not None:
-                    observations.append(
-                        Observation(value, {names.MESSAGING_DESTINATION_NAME: item.queue, names.QUEUE_KIND: kind})
-                    )
+            for system, counts in (
+                (names.SYSTEM_RABBITMQ, item.in_rabbitmq),
+                (names.SYSTEM_POSTGRESQL, item.in_postgres),
+            ):
+                if counts is None:
+                    continue
+                for kind, value in (("ready", counts.depth), ("delayed", counts.delayed), ("xq", counts.xq)):
+                    attributes = {
+                        names.MESSAGING_DESTINATION_NAME: item.queue,
+                        names.QUEUE_KIND: kind,
+                        names.MESSAGING_SYSTEM: system,
+                    }
+                    observations.append(Observation(value, attributes))
         return observations

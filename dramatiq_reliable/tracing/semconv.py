@@ -65,6 +65,7 @@ __all__ = [
     "SINGLETON_HELD",
     "SINGLETON_HELD_EVENT",
     "SYSTEM_DRAMATIQ",
+    "SYSTEM_POSTGRESQL",
     "SYSTEM_RABBITMQ",
     "span_name",
 ]
@@ -85,6 +86,8 @@ HTTP_RESPONSE_STATUS_CODE: Final = "http.response.status_code"
 #: ``messaging.system`` values: RabbitMQ's own, and ours for any other Dramatiq broker.
 SYSTEM_RABBITMQ: Final = "rabbitmq"
 SYSTEM_DRAMATIQ: Final = "dramatiq"
+#: The Postgres queue table, as a place holding messages (the queue-depth gauge).
+SYSTEM_POSTGRESQL: Final = "postgresql"
 #: ``messaging.operation.type`` (and ``.name``) values; an outbox insert *creates*, a publish *sends*.
 OPERATION_CREATE: Final = "create"
 OPERATION_SEND: Final = "send"

@@ -312,3 +312,30 @@ def test_a_failed_outbox_insert_ends_its_create_span_as_an_error(
     (span,) = otel.spans(f"create {queue_name}")
     assert span.status.status_code is StatusCode.ERROR
     assert span.attributes["error.type"].endswith("SchemaNotReady")
+
+
+def test_postgres_broker_gauges_read_its_queue_table_depth(database_url, db_schema, tracing, otel, queue_name):
+    """The gauges of a PostgresBroker read Postgres: its queue depth was once never reported
+    (the metrics asked only an OutboxBroker for its database)."""
+    from dramatiq_reliable import PostgresBroker
+
+    broker = PostgresBroker(database=database_url, schema=db_schema, middleware=[tracing])
+    dramatiq.set_broker(broker)
+    try:
+
+        @dramatiq.actor(broker=broker, queue_name=queue_name)
+        def task() -> None:
+            pass
+
+        for _ in range(2):
+            task.send()
+        task.send_with_options(delay=3_600_000)
+        place = {"messaging.destination.name": queue_name, "messaging.system": "postgresql"}
+        assert otel.total("dramatiq_reliable.queue.depth", **place, **{"dramatiq_reliable.queue.kind": "ready"}) == 2
+        assert otel.total("dramatiq_reliable.queue.depth", **place, **{"dramatiq_reliable.queue.kind": "delayed"}) == 1
+        assert otel.points("dramatiq_reliable.queue.depth") and all(
+            point.attributes["messaging.system"] == "postgresql"
+            for point in otel.points("dramatiq_reliable.queue.depth")
+        ), "no RabbitMQ point for a broker that has no RabbitMQ"
+    finally:
+        broker.close()
