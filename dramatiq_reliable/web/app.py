@@ -2,9 +2,10 @@
 
 :func:`create_app` returns a Starlette app to mount in your own (``app.mount("/jobs", ...)``) or
 to run alone (``dramatiq-reliable web``); :func:`create_wsgi_app` wraps the same app for
-Django and Flask.  Every request passes the gate first: the access hook (or the loopback-only,
-read-only default) decides, forbidden requests get 403, and a POST must be same-site and come
-from a user with full access.
+Django and Flask.  Every request passes the gate first: a ``Host`` the page does not answer to
+gets 400 (DNS rebinding, see :mod:`.security`), the access hook (or the loopback-only, read-only
+default) decides, forbidden requests get 403, and a POST must be same-site and come from a user
+with full access.  Every response, refusals and errors included, carries the security headers.
 """
 
 from __future__ import annotations
@@ -28,16 +29,17 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import _sql
-from .._checks import check_ms
+from .._checks import check_bool, check_choice, check_int, check_ms, check_queue_name
 from .._util import redact
 from ..backing import SENDS_TO, SendsTo, postgres_backed
 from ..dead_letters import DEFAULT_REPLAY_MAX_AGE_MS, PostgresDeadLetterStore
 from ..errors import ConfigurationError, SchemaNotReady
-from ..health import QueueDepths, _is_queue_name
+from ..health import QueueDepths
 from . import actions, views
 from .access import Access, AccessHook, cross_site_problem, resolve
 from .pools import ReadPool, action_database
 from .rendering import render
+from .security import LOOPBACK_HOSTS, SECURITY_HEADERS, check_allowed_hosts, host_problem, secured
 from .settings import Settings
 
 __all__ = ["create_app", "create_wsgi_app"]
@@ -61,6 +63,7 @@ def create_app(
     replay_max_age_ms: int | None = DEFAULT_REPLAY_MAX_AGE_MS,
     page_size: int = 50,
     scan_interval_ms: int = 60_000,
+    allowed_hosts: Iterable[str] | None = None,
 ) -> Starlette:
     """The web page for the person on call, as a Starlette (ASGI) app.
 
@@ -87,6 +90,10 @@ def create_app(
       scan_interval_ms: how often the overview runs ``status``'s two full scans of the outbox
         (the queues it ever saw, the retries not yet due); in between it reads the backlog
         through the outbox's partial index and shows the retries counted by the last scan.
+      allowed_hosts: the ``Host`` names the page answers to besides ``localhost``, ``127.0.0.1``
+        and ``[::1]`` (any port): exact names, or ``*.example.com`` for the names under it.  Any
+        other ``Host`` gets 400, which stops DNS rebinding.  With no access hook the check always
+        applies; with a hook only when ``allowed_hosts`` is given (see :mod:`.security` for why).
 
     >>> from starlette.applications import Starlette                                 # doctest: +SKIP
     >>> app = Starlette()                                                            # doctest: +SKIP
@@ -110,25 +117,23 @@ def create_app(
     _sql.validate_schema(schema)
     if target is None:
         target = backed.sends_to if backed is not None else "outbox"
-    if target not in SENDS_TO:
-        raise ConfigurationError(f"target must be 'outbox' (OutboxBroker) or 'queue' (PostgresBroker), got {target!r}")
+    check_choice("target", target, SENDS_TO, fix="'outbox' for OutboxBroker, 'queue' for PostgresBroker")
     check_ms("statement_timeout_ms", statement_timeout_ms, minimum=1, fix="e.g. statement_timeout_ms=2000")
     check_ms("replay_max_age_ms", replay_max_age_ms, allow_none=True, fix="e.g. 7 days = 604800000, or None")
-    if not isinstance(hide_args, bool):
-        raise ConfigurationError(f"hide_args must be a bool, got {hide_args!r}")
+    check_bool("hide_args", hide_args)
     if access is not None and not callable(access):
         raise ConfigurationError(
             f"access= must be a callable of the request returning an Access, got {type(access).__name__!r}"
         )
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 1000:
-        raise ConfigurationError(f"page_size must be an int from 1 to 1000, got {page_size!r}")
+    check_int("page_size", page_size, minimum=1, maximum=1000)
     queue_list = [str(name) for name in queues]
     for name in queue_list:
-        if not _is_queue_name(q_name(name)):
-            raise ConfigurationError(
-                f"queues= holds {name[:60]!r}, which cannot be a queue name; give Dramatiq queue names"
-            )
+        check_queue_name("a name in queues=", q_name(name))
     check_ms("scan_interval_ms", scan_interval_ms, minimum=0, fix="e.g. scan_interval_ms=60000; 0 scans every time")
+    # No hook: loopback clients are trusted, so only the names a person types for this machine
+    # (and those given) are answered.  A hook: checked when the names are given (see .security).
+    hosts = None if allowed_hosts is None else check_allowed_hosts(allowed_hosts)
+    answered = LOOPBACK_HOSTS + (hosts or ()) if access is None or hosts is not None else None
 
     rabbitmq: QueueDepths | None = None
     if rabbitmq_url is not None:
@@ -151,6 +156,7 @@ def create_app(
         queues=queue_list,
         page_size=page_size,
         scan_interval_ms=scan_interval_ms,
+        allowed_hosts=answered,
         owned=[acting] if acting.owned else [],
     )
 
@@ -170,6 +176,7 @@ def create_app(
             psycopg.OperationalError: _unreachable,
             PoolTimeout: _unreachable,
             SchemaNotReady: _schema_not_ready,
+            Exception: _server_error,
         },
     )
     app.state.settings = settings
@@ -215,7 +222,8 @@ def _routes() -> list[Route | Mount]:
         Route("/dead-letters/list", views.dead_letter_list, name="dead_letter_list"),
         Route("/dead-letters/replay", actions.replay, methods=["POST"], name="replay"),
         Route("/dead-letters/discard", actions.discard, methods=["POST"], name="discard"),
-        Route("/dead-letters/{id:int}", views.dead_letter, name="dead_letter"),
+        # Not {id:int}: Starlette's int() of a 5000-digit path would raise (a 500); the view parses.
+        Route("/dead-letters/{id}", views.dead_letter, name="dead_letter"),
         Route("/outbox", views.outbox, name="outbox"),
         Route("/outbox/retry", actions.outbox_retry, methods=["POST"], name="outbox_retry"),
         Route("/schedules", views.schedules, name="schedules"),
@@ -225,7 +233,8 @@ def _routes() -> list[Route | Mount]:
 
 
 class _Gate:
-    """Decides access before any route runs; refuses forbidden requests and unsafe POSTs with 403."""
+    """Decides before any route runs: a ``Host`` the page does not answer to gets 400, forbidden
+    requests and unsafe POSTs 403; and every response passing through gets the security headers."""
 
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
@@ -235,7 +244,13 @@ class _Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = secured(send)
         request = Request(scope, receive)
+        # First, and before the hook: a rebound name must learn nothing, not even who may enter.
+        wrong_host = host_problem(request.headers.get("host"), self.settings.allowed_hosts)
+        if wrong_host is not None:
+            await PlainTextResponse(wrong_host, status_code=400)(scope, receive, send)
+            return
         decision = await resolve(request, self.settings.access)
         request.state.access = decision
         response = self._refusal(request, decision)
@@ -297,6 +312,18 @@ def _unreachable(request: Request, exc: Exception) -> Response:
         },
         status_code=503,
     )
+
+
+def _server_error(request: Request, exc: Exception) -> Response:
+    """A short page for a failure nobody foresaw (the server logs the traceback; the page shows none).
+
+    Starlette sends it from outside the gate, so it carries the security headers itself.
+    """
+    response = PlainTextResponse(
+        "internal error: the page failed unexpectedly; the server log has the details", status_code=500
+    )
+    response.headers.update(dict(SECURITY_HEADERS))
+    return response
 
 
 def _schema_not_ready(request: Request, exc: Exception) -> Response:
