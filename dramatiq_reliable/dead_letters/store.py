@@ -19,8 +19,8 @@ from psycopg import sql
 from psycopg.rows import class_row, dict_row
 
 from .. import _sql, events, schema
-from .._checks import check_bool, check_choice, check_int, check_ms, check_queue_name
-from ..backing import backing_of, postgres_backed
+from .._checks import check_bool, check_choice, check_ms, check_queue_name
+from ..backing import SENDS_TO, backing_of, postgres_backed
 from ..binding import bound_connection
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError
@@ -34,7 +34,6 @@ from .records import (
     DEFAULT_REPLAY_MAX_AGE_MS,
     DEFAULT_RETENTION_MS,
     RESET_OPTIONS,
-    STATES,
     UNSET,
     DeadLetter,
     DeadLetterCount,
@@ -55,18 +54,12 @@ from .validators import (
     check_filter,
     check_id,
     check_ids,
+    check_limit,
+    check_state,
     check_target,
     format_duration_ms,
     seconds,
 )
-
-#: The most rows one listing or grouping returns.
-_MAX_LIMIT = 10_000
-
-
-def _check_state(state: object) -> None:
-    if state is not None:
-        check_choice("state", state, STATES, fix="or None for every state")
 
 
 @functools.lru_cache(maxsize=256)
@@ -111,7 +104,7 @@ class PostgresDeadLetterStore:
         batch_size: int = _DEFAULT_BATCH,
         replay_to: Literal["outbox", "queue"] = "outbox",
     ) -> None:
-        self.replay_to = check_choice("replay_to", replay_to, ("outbox", "queue"))
+        self.replay_to = check_choice("replay_to", replay_to, SENDS_TO)
         check_ms("replay_max_age_ms", replay_max_age_ms, allow_none=True, fix="e.g. 7 days = 604800000")
         check_ms("retention_ms", retention_ms, allow_none=True, fix="e.g. 30 days = 2592000000")
         check_batch(batch_size)
@@ -254,8 +247,8 @@ class PostgresDeadLetterStore:
         however deep it is, and rows that die meanwhile do not shift the pages.
         """
         where = check_filter(where)
-        _check_state(state)
-        check_int("limit", limit, minimum=1, maximum=_MAX_LIMIT)
+        check_state(state)
+        check_limit(limit)
         before_at, before_id = decode_cursor(cursor)
         params = {**where.params(), "state": state, "before_at": before_at, "before_id": before_id, "limit": limit}
         with self._transaction(None) as conn:
@@ -269,7 +262,7 @@ class PostgresDeadLetterStore:
         self, *, where: DeadLetterFilter | None = None, ids: Sequence[int] | None = None, state: State | None = "dead"
     ) -> int:
         """How many dead letters match (state ``dead`` by default)."""
-        _check_state(state)
+        check_state(state)
         return self._count(None, check_filter(where), check_ids(ids), state, None)["total"]
 
     def _count(
@@ -309,7 +302,7 @@ class PostgresDeadLetterStore:
     def stats(self, *, where: DeadLetterFilter | None = None, limit: int = 20) -> tuple[DeadLetterGroup, ...]:
         """Dead letters grouped by fingerprint, biggest group first."""
         where = check_filter(where)
-        check_int("limit", limit, minimum=1, maximum=_MAX_LIMIT)
+        check_limit(limit)
         with self._transaction(None) as conn:
             cursor = conn.cursor(row_factory=class_row(DeadLetterGroup))
             query = self._query("dead_letters_stats")

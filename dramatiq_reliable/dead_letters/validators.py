@@ -14,18 +14,21 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from .._checks import check_int, shown
+from .._checks import check_choice, check_int, shown
 from ..errors import ConfigurationError
 from .analysis import _clean_text
-from .records import _MAX_NAME_CHARS, DeadLetterFilter
+from .records import _MAX_NAME_CHARS, STATES, DeadLetterFilter
 
 __all__ = [
     "MAX_ID",
+    "MAX_LIMIT",
     "check_batch",
     "check_by",
     "check_filter",
     "check_id",
     "check_ids",
+    "check_limit",
+    "check_state",
     "check_target",
     "format_duration_ms",
     "seconds",
@@ -34,6 +37,8 @@ __all__ = [
 #: Dead-letter ids are ``bigserial``: an id past this names no row, and Postgres refuses it as a
 #: ``bigint`` parameter.
 MAX_ID = 2**63 - 1
+#: The most rows one listing or grouping returns.
+MAX_LIMIT = 10_000
 
 
 @functools.lru_cache(maxsize=1)
@@ -65,6 +70,18 @@ def check_ids(ids: Sequence[int] | None) -> list[int] | None:
     if not checked:
         raise ConfigurationError("ids is empty; pass at least one dead letter id, or where= to pick by filter")
     return sorted(set(checked))
+
+
+def check_limit(limit: Any) -> int:
+    """Rows of one listing or grouping: 1 to :data:`MAX_LIMIT`."""
+    return int(check_int("limit", limit, minimum=1, maximum=MAX_LIMIT))
+
+
+def check_state(state: Any) -> Any:
+    """A dead letter's state to select, or ``None`` for every state."""
+    if state is not None:
+        check_choice("state", state, STATES, fix="or None for every state")
+    return state
 
 
 def check_filter(where: DeadLetterFilter | None) -> DeadLetterFilter:

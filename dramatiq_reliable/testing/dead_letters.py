@@ -45,7 +45,15 @@ from ..dead_letters.records import (
     ReplayResult,
     State,
 )
-from ..dead_letters.validators import check_by, check_filter, check_id, check_ids, check_target
+from ..dead_letters.validators import (
+    check_by,
+    check_filter,
+    check_id,
+    check_ids,
+    check_limit,
+    check_state,
+    check_target,
+)
 
 __all__ = ["InMemoryDeadLetterStore"]
 
@@ -179,6 +187,8 @@ class InMemoryDeadLetterStore:
         limit: int = 50,
         cursor: str | None = None,
     ) -> DeadLetterPage:
+        check_state(state)
+        check_limit(limit)
         before_at, before_id = decode_cursor(cursor)
         rows = self._matching(check_filter(where), state=state)
         if before_at is not None and before_id is not None:
@@ -190,9 +200,10 @@ class InMemoryDeadLetterStore:
     def count(
         self, *, where: DeadLetterFilter | None = None, ids: Sequence[int] | None = None, state: State | None = "dead"
     ) -> int:
-        return len(self._matching(check_filter(where), check_ids(ids), state))
+        return len(self._matching(check_filter(where), check_ids(ids), check_state(state)))
 
     def stats(self, *, where: DeadLetterFilter | None = None, limit: int = 20) -> tuple[DeadLetterGroup, ...]:
+        check_limit(limit)
         groups: dict[str, list[DeadLetter]] = {}
         for row in self._matching(check_filter(where)):
             groups.setdefault(row.fingerprint, []).append(row)

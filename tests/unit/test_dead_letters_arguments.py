@@ -67,10 +67,16 @@ def test_a_cursor_out_of_range_or_in_another_spelling_is_refused(cursor):
         decode_cursor(cursor)
 
 
-def test_the_in_memory_store_refuses_the_same_cursors():
+def test_the_in_memory_store_refuses_what_the_postgres_store_refuses():
     store = InMemoryDeadLetterStore()
     with pytest.raises(ConfigurationError, match="pass next_cursor unchanged"):
         store.list(cursor="99999999999999999999.1")
+    with pytest.raises(ConfigurationError, match="limit must be an int from 1 to 10000"):
+        store.list(limit=10**30)
+    with pytest.raises(ConfigurationError, match="state must be"):
+        store.count(state="lost")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="a dead letter id must be"):
+        store.get(2**63)
     assert store.list(cursor=None).items == ()
 
 
