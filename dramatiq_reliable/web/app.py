@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
@@ -197,11 +198,17 @@ def create_wsgi_app(database: Any = None, **options: Any) -> Any:
 
 
 class _WsgiClient:
-    """Passes the client address through even from servers that set no ``REMOTE_PORT``.
+    """Hands a2wsgi an environ it can convert, whatever the client sent.
 
-    a2wsgi gives the ASGI app a client only with both ``REMOTE_ADDR`` and ``REMOTE_PORT``;
-    ``wsgiref`` (Django's ``runserver``) sets only the first, and without a client the
-    loopback-only default would refuse every request.
+    - The client address passes through even from servers that set no ``REMOTE_PORT``: a2wsgi
+      gives the ASGI app a client only with both ``REMOTE_ADDR`` and ``REMOTE_PORT``; ``wsgiref``
+      (Django's ``runserver``) sets only the first, and without a client the loopback-only
+      default would refuse every request.
+    - The path and query are made convertible: a WSGI server hands ``PATH_INFO`` over
+      percent-decoded (``/dead-letters/%FF`` is ``"/dead-letters/\xff"``), which a2wsgi decodes as
+      UTF-8, and a raw byte in the query fails its ASCII encoding: both raised inside a2wsgi, a
+      500 before the page could answer.  Bytes that are not UTF-8 become U+FFFD, as an ASGI server
+      decodes them, and non-ASCII query bytes are percent-encoded, so the page answers 400 or 404.
     """
 
     def __init__(self, wsgi: Any) -> None:
@@ -209,9 +216,20 @@ class _WsgiClient:
         self.app = wsgi.app
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        environ = dict(environ)
         if environ.get("REMOTE_ADDR") and not environ.get("REMOTE_PORT"):
-            environ = {**environ, "REMOTE_PORT": "0"}
+            environ["REMOTE_PORT"] = "0"
+        for key in ("SCRIPT_NAME", "PATH_INFO"):
+            if key in environ:
+                raw = str(environ[key]).encode("latin-1", "replace")
+                environ[key] = raw.decode("utf-8", "replace").encode("utf-8").decode("latin-1")
+        if "QUERY_STRING" in environ:
+            raw = str(environ["QUERY_STRING"]).encode("latin-1", "replace")
+            environ["QUERY_STRING"] = _NOT_ASCII.sub(lambda byte: b"%%%02X" % byte[0][0], raw).decode("ascii")
         return self.wsgi(environ, start_response)
+
+
+_NOT_ASCII = re.compile(rb"[\x80-\xff]")
 
 
 def _routes() -> list[Route | Mount]:

@@ -422,6 +422,36 @@ def test_the_wsgi_adapter_serves_the_page(broker, database_url, db_schema):
     assert b'data-testid="dl-group"' in body
 
 
+@pytest.mark.parametrize(
+    ("path", "query"),
+    [
+        ("/dead-letters/\xff", ""),  # a WSGI server hands PATH_INFO over percent-decoded, as latin-1
+        ("/schedules/\xed\xa0\x80/pause", ""),  # a lone surrogate's bytes: not UTF-8
+        ("/dead-letters/list", "queue=\xff"),  # a raw byte a client sent in the query
+        ("/dead-letters/list", "cursor=%FF%FE"),
+        ("/schedules/a\x00b/pause", ""),
+    ],
+    ids=["path-not-utf8", "path-surrogate-bytes", "query-raw-byte", "query-percent-junk", "path-nul"],
+)
+def test_the_wsgi_adapter_answers_hostile_paths_and_queries_with_a_page_not_a_500(
+    broker, database_url, db_schema, path, query
+):
+    from wsgiref.util import setup_testing_defaults
+
+    app = create_wsgi_app(database_url, schema=db_schema, access=full)
+    environ: dict[str, Any] = {"PATH_INFO": path, "QUERY_STRING": query, "REQUEST_METHOD": "POST"}
+    environ["REMOTE_ADDR"] = "127.0.0.1"
+    setup_testing_defaults(environ)
+    if path.startswith("/dead-letters"):
+        environ["REQUEST_METHOD"] = "GET"
+    started: list[str] = []
+    try:
+        body = b"".join(app(environ, lambda status, headers, exc_info=None: started.append(status)))
+    finally:
+        app.app.state.settings.close()
+    assert started and int(started[0][:3]) < 500, (started, body[:200])
+
+
 # -- outbox and schedules ------------------------------------------------------------------------
 
 
