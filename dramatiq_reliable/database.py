@@ -19,7 +19,7 @@ from psycopg_pool import ConnectionPool
 from ._checks import check_int, check_ms
 from .errors import ConfigurationError
 
-__all__ = ["Database", "DatabaseLike"]
+__all__ = ["Database", "DatabaseLike", "connection_kwargs"]
 
 #: What a ``database=`` argument accepts.
 DatabaseLike = Union[str, "ConnectionPool[Any]", "Database"]
@@ -40,8 +40,9 @@ CONNECTION_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _bounded(url: str) -> dict[str, Any]:
-    """The defaults the URL does not set itself (the URL, or PG* variables, win)."""
+def connection_kwargs(url: str) -> dict[str, Any]:
+    """:data:`CONNECTION_DEFAULTS` less what the URL (or a ``PG*`` variable) sets itself, for
+    any pool or connection opened on ``url`` (the web page's read pool uses it too)."""
     import os
 
     try:
@@ -85,7 +86,7 @@ class Database:
         self._opened = not self._owned
         self.pool: ConnectionPool[Any] = pool or ConnectionPool(
             url or "",
-            kwargs=_bounded(url or ""),
+            kwargs=connection_kwargs(url or ""),
             min_size=1,
             max_size=max_size,
             open=False,

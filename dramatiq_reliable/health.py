@@ -76,13 +76,12 @@ from psycopg_pool import PoolTimeout
 
 from . import _sql
 from . import schema as _schema
-from ._checks import check_bool, check_int, check_ms
+from ._checks import MAX_QUEUE_BYTES, check_bool, check_int, check_ms
 from ._util import first_line, format_age, rabbitmq_error, redact
 from .database import Database
 from .errors import ConfigurationError, SchemaNotReady
 
 __all__ = [
-    "MAX_QUEUE_BYTES",
     "Health",
     "HealthMonitor",
     "QueueDepths",
@@ -580,11 +579,6 @@ def _count_xq_unstored(
                 .fetchone()
             )
         values["xq_unstored"] = len(keys) - int(row["stored"] if row else 0) + unreadable
-
-
-#: The longest queue name a reading takes, in bytes: AMQP names are short strings (255 bytes
-#: at most) and the ``.DQ``/``.XQ`` suffixes take three.
-MAX_QUEUE_BYTES = 252
 
 
 def is_queue_name(name: str) -> bool:

@@ -3,10 +3,12 @@
 ::
 
     dramatiq-reliable web [--host 127.0.0.1] [--port 8080] [--access module:callable] [--hide-args]
+                          [--allowed-host NAME ...]
 
 Needs the ``web`` extra.  Without ``--access`` the page is read-only and answers loopback
 clients only, so binding it to another address without ``--access`` is refused: every remote
-request would get 403 anyway.
+request would get 403 anyway.  It also answers only to the ``Host`` names ``localhost``,
+``127.0.0.1`` and ``[::1]`` plus those given with ``--allowed-host`` (DNS rebinding).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import ConfigurationError
 from .common import Duration, ExitCode, Integer, UsageError, configured_rabbitmq_url, database_url, rabbitmq_url
 
 __all__ = ["register"]
@@ -37,7 +40,12 @@ Without --access the page is read-only and answers loopback clients only.  --acc
 callable of the request (app.web:access) returning an Access or 'full', 'read', 'forbidden';
 it is imported with the current directory first on the path.  Binding to an address other
 than loopback needs --access: a reverse proxy in front should authenticate, and the hook
-trust what it says."""
+trust what it says.
+
+The page answers only to the Host names localhost, 127.0.0.1 and [::1] (any port) and to those
+given with --allowed-host, so that a page on another site cannot reach it through a name it
+points at this machine (DNS rebinding).  With --access, the Host is checked only when
+--allowed-host is given."""
 
 _CALLABLE = re.compile(
     r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
@@ -71,6 +79,13 @@ def register(
         help="the access hook deciding per request (default: read-only, loopback clients only)",
     )
     parser.add_argument("--hide-args", action="store_true", help="show 'hidden' instead of message arguments")
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="NAME",
+        help="a Host name the page answers to besides localhost, 127.0.0.1 and [::1], e.g. jobs.internal or "
+        "*.example.com (repeatable; any port)",
+    )
     parser.add_argument(
         "--to",
         choices=("outbox", "queue"),
@@ -116,6 +131,13 @@ def _web(args: argparse.Namespace) -> int:
             if "dramatiq-reliable[web]" in str(error)
             else (f"{error}; the web page needs the web extra: pip install 'dramatiq-reliable[web]'")
         ) from None
+    from ..web.security import check_allowed_hosts
+
+    if args.allowed_host is not None:
+        try:
+            check_allowed_hosts(args.allowed_host)
+        except ConfigurationError as error:
+            raise UsageError(f"--allowed-host: {error}") from None
     access = _import_hook(args.access) if args.access else None
     app = create_app(
         database_url(args),
@@ -125,6 +147,7 @@ def _web(args: argparse.Namespace) -> int:
         statement_timeout_ms=args.statement_timeout,
         target=args.to,
         rabbitmq_url=_rabbitmq_url(args),
+        allowed_hosts=args.allowed_host,
     )
     logger.info(
         "serving the web page for schema %r on http://%s:%d%s (%s)",
@@ -132,7 +155,8 @@ def _web(args: argparse.Namespace) -> int:
         args.host,
         args.port,
         (args.root_path or "") + "/",
-        "access hook " + args.access if args.access else "read-only, loopback only",
+        ("access hook " + args.access if args.access else "read-only, loopback only")
+        + (f"; also answering to {', '.join(args.allowed_host)}" if args.allowed_host else ""),
     )
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again for the handler
     # it found; a handler that does nothing here lets the command exit 0, as the relay and the

@@ -23,6 +23,7 @@ from dramatiq.errors import ActorNotFound
 from dramatiq.middleware import SkipMessage
 from dramatiq.middleware.time_limit import TimeLimitExceeded
 
+from .._checks import is_int
 from .._util import type_name as _type_name
 from ..classify import http_status_of
 from ..errors import CommitOutcomeUnknown, JobCommitFailed, Unrecoverable
@@ -215,7 +216,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def _as_int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return value if is_int(value) else None
 
 
 # --------------------------------------------------------------------------------------------

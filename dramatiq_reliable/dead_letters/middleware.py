@@ -15,7 +15,7 @@ from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 
 from .. import events
-from .._checks import check_ms
+from .._checks import check_int, check_ms
 from .._util import first_line as _first_line
 from ..backing import backing_of
 from ..database import Database, DatabaseLike
@@ -98,14 +98,7 @@ class DeadLetters(Middleware):
         if on_dead_letter is not None and not callable(on_dead_letter):
             raise ConfigurationError(f"on_dead_letter must be a callable taking a DeadLetter, got {on_dead_letter!r}")
         check_ms("timeout_ms", timeout_ms, allow_none=False, fix="e.g. timeout_ms=5000", minimum=1)
-        if (
-            isinstance(max_traceback_chars, bool)
-            or not isinstance(max_traceback_chars, int)
-            or max_traceback_chars < 1000
-        ):
-            raise ConfigurationError(
-                f"max_traceback_chars must be an int of at least 1000, got {max_traceback_chars!r}"
-            )
+        check_int("max_traceback_chars", max_traceback_chars, minimum=1000, fix="e.g. 65536")
         self.schema = schema
         self.on_dead_letter = on_dead_letter
         self.timeout_ms = timeout_ms

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from .. import _sql, events
+from .._checks import check_text
 from ..errors import ConfigurationError
 
 #: Replays of jobs first sent longer ago than this are refused unless forced: a welcome email
@@ -42,15 +43,14 @@ REASONS: Mapping[str, str] = {
 }
 
 State = Literal["dead", "replayed", "discarded"]
-_STATES = ("dead", "replayed", "discarded")
+#: The states a dead letter can be in, as ``State`` lists them.
+STATES: tuple[State, ...] = ("dead", "replayed", "discarded")
 _CHANNEL_SUFFIX = ".dead_letters"
 _MAX_ERROR_MESSAGE_CHARS = 8000
 _MAX_NAME_CHARS = 500
 _DEFAULT_BATCH = 5000
 _PRIOR_ATTR = "_dramatiq_reliable_prior_retries"
 _RAN_ATTR = "_dramatiq_reliable_ran"
-_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
-_US = datetime.timedelta(microseconds=1)
 
 
 class _Unset:
@@ -58,7 +58,9 @@ class _Unset:
         return "<store default>"
 
 
-_UNSET: Any = _Unset()
+#: The default of an argument whose default is the store's own setting (``max_age_ms`` of a
+#: replay is the store's ``replay_max_age_ms`` unless given; ``None`` there means "no limit").
+UNSET: Any = _Unset()
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,9 +85,16 @@ class DeadLetterFilter:
 
     def __post_init__(self) -> None:
         for name in ("actor_name", "queue_name", "error_type", "fingerprint"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigurationError(f"filter {name} must be a non-empty string or None, got {value!r}")
+            # No stored name is longer (they are cut at capture) or holds what Postgres text
+            # refuses (escaped at capture): such a value could match nothing, and would reach
+            # the driver as its error rather than ours.
+            check_text(
+                f"filter {name}",
+                getattr(self, name),
+                max_chars=_MAX_NAME_CHARS,
+                allow_none=True,
+                fix="give a name as the list shows it",
+            )
         for name in ("since", "until"):
             value = getattr(self, name)
             if value is None:

@@ -16,25 +16,25 @@ import psycopg
 from dramatiq.broker import Broker
 from dramatiq.common import q_name
 from psycopg import sql
-from psycopg.rows import class_row
+from psycopg.rows import class_row, dict_row
 
 from .. import _sql, events, schema
-from .._checks import check_ms
-from ..backing import backing_of, postgres_backed
+from .._checks import check_bool, check_choice, check_ms, check_queue_name
+from ..backing import SENDS_TO, backing_of, postgres_backed
 from ..binding import bound_connection
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError
 from ..outbox.wake import wake_relays
 from .analysis import Failure, _clean_text
 from .connect import write_within
+from .cursor import decode_cursor, encode_cursor
 from .records import (
     _DEFAULT_BATCH,
     _MAX_ERROR_MESSAGE_CHARS,
-    _STATES,
-    _UNSET,
     DEFAULT_REPLAY_MAX_AGE_MS,
     DEFAULT_RETENTION_MS,
     RESET_OPTIONS,
+    UNSET,
     DeadLetter,
     DeadLetterCount,
     DeadLetterFilter,
@@ -49,16 +49,16 @@ from .records import (
     notify_channel,
 )
 from .validators import (
-    _check_batch,
-    _check_by,
-    _check_filter,
-    _check_id,
-    _check_ids,
-    _check_target,
-    _decode_cursor,
-    _encode_cursor,
-    _format_duration_ms,
-    _seconds,
+    check_batch,
+    check_by,
+    check_filter,
+    check_id,
+    check_ids,
+    check_limit,
+    check_state,
+    check_target,
+    format_duration_ms,
+    seconds,
 )
 
 
@@ -104,12 +104,10 @@ class PostgresDeadLetterStore:
         batch_size: int = _DEFAULT_BATCH,
         replay_to: Literal["outbox", "queue"] = "outbox",
     ) -> None:
-        if replay_to not in ("outbox", "queue"):
-            raise ConfigurationError(f"replay_to must be 'outbox' or 'queue', got {replay_to!r}")
-        self.replay_to = replay_to
+        self.replay_to = check_choice("replay_to", replay_to, SENDS_TO)
         check_ms("replay_max_age_ms", replay_max_age_ms, allow_none=True, fix="e.g. 7 days = 604800000")
         check_ms("retention_ms", retention_ms, allow_none=True, fix="e.g. 30 days = 2592000000")
-        _check_batch(batch_size)
+        check_batch(batch_size)
         self.schema = _sql.validate_schema(schema)
         self.channel = notify_channel(self.schema)
         self.replay_max_age_ms = replay_max_age_ms
@@ -185,19 +183,17 @@ class PostgresDeadLetterStore:
     def save(self, failure: Failure, *, timeout_ms: int) -> DeadLetter:
         """Write (or refresh) the dead letter of ``failure``; see :func:`.connect.write_within`."""
 
-        def insert(conn: psycopg.Connection[Any]) -> tuple[Any, ...] | None:
+        def insert(conn: psycopg.Connection[Any]) -> dict[str, Any] | None:
             self._check_ready(conn)
-            return (
-                _sql.tuples(conn).execute(self._query("dead_letters_capture"), failure.params(self.channel)).fetchone()
-            )
+            cursor = conn.cursor(row_factory=dict_row)
+            return cursor.execute(self._query("dead_letters_capture"), failure.params(self.channel)).fetchone()
 
         # The statement timeout bounds lock waits (a concurrent replay of the same message) and
         # the retries bound an outage: either way the nack waits at most about timeout_ms.
         row = write_within(self.database, self.schema, timeout_ms, insert)
         assert row is not None
-        dead_letter_id, captures, sent_at, first_failed_at, last_failed_at = row[:5]
         return DeadLetter(
-            id=dead_letter_id,
+            id=row["id"],
             message_id=failure.message_id,
             queue_name=failure.queue_name,
             actor_name=failure.actor_name,
@@ -209,12 +205,12 @@ class PostgresDeadLetterStore:
             fingerprint=failure.fingerprint,
             culprit=failure.culprit,
             state="dead",
-            sent_at=sent_at,
-            first_failed_at=first_failed_at,
-            last_failed_at=last_failed_at,
+            sent_at=row["sent_at"],
+            first_failed_at=row["first_failed_at"],
+            last_failed_at=row["last_failed_at"],
             worker_host=socket.gethostname(),
             worker_pid=os.getpid(),
-            captures=captures,
+            captures=row["captures"],
             message=json.loads(failure.message_json),
             traceback=failure.traceback,
             retry_decision=failure.retry_decision,
@@ -224,14 +220,14 @@ class PostgresDeadLetterStore:
         """Insert a dead letter moved from ``.XQ`` unless its death has a row; its id, or ``None``."""
         with self._transaction(None) as conn:
             params = {**failure.params(self.channel), "after_id": after_id}
-            row = _sql.tuples(conn).execute(self._query("dead_letters_import"), params).fetchone()
-        return int(row[0]) if row else None
+            row = conn.cursor(row_factory=dict_row).execute(self._query("dead_letters_import"), params).fetchone()
+        return int(row["id"]) if row else None
 
     # -- reading -------------------------------------------------------------------------------
 
     def get(self, dead_letter_id: int) -> DeadLetter | None:
         """One dead letter with its message, traceback and retry decision, in any state."""
-        _check_id(dead_letter_id)
+        check_id(dead_letter_id)
         with self._transaction(None) as conn:
             # Columns map to DeadLetter's fields by name, never by position.
             cursor = conn.cursor(row_factory=class_row(DeadLetter))
@@ -250,25 +246,24 @@ class PostgresDeadLetterStore:
         ``state=None`` lists every state.  Pagination is keyset-based: a page costs the same
         however deep it is, and rows that die meanwhile do not shift the pages.
         """
-        where = _check_filter(where)
-        if state is not None and state not in _STATES:
-            raise ConfigurationError(f"state must be one of {_STATES!r} or None, got {state!r}")
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
-            raise ConfigurationError(f"limit must be an int from 1 to 10000, got {limit!r}")
-        before_at, before_id = _decode_cursor(cursor)
+        where = check_filter(where)
+        check_state(state)
+        check_limit(limit)
+        before_at, before_id = decode_cursor(cursor)
         params = {**where.params(), "state": state, "before_at": before_at, "before_id": before_id, "limit": limit}
         with self._transaction(None) as conn:
             # prepare=False: planned with the actual values, so unused filters fold away.
             rows = conn.cursor(row_factory=class_row(DeadLetter))
             items = tuple(rows.execute(self._query("dead_letters_list"), params, prepare=False).fetchall())
-        next_cursor = _encode_cursor(items[-1].last_failed_at, items[-1].id) if len(items) == limit else None
+        next_cursor = encode_cursor(items[-1].last_failed_at, items[-1].id) if len(items) == limit else None
         return DeadLetterPage(items, next_cursor)
 
     def count(
         self, *, where: DeadLetterFilter | None = None, ids: Sequence[int] | None = None, state: State | None = "dead"
     ) -> int:
         """How many dead letters match (state ``dead`` by default)."""
-        return self._count(None, _check_filter(where), _check_ids(ids), state, None)[0]
+        check_state(state)
+        return self._count(None, check_filter(where), check_ids(ids), state, None)["total"]
 
     def _count(
         self,
@@ -277,12 +272,14 @@ class PostgresDeadLetterStore:
         ids: Sequence[int] | None,
         state: State | None,
         max_age_ms: int | None,
-    ) -> tuple[int, int, int]:
-        params = {**where.params(), "ids": ids, "state": state, "max_age_s": _seconds(max_age_ms)}
+    ) -> dict[str, int]:
+        """``total`` rows matching, ``too_old`` of them past ``max_age_ms``, ``upto`` the highest id."""
+        params = {**where.params(), "ids": ids, "state": state, "max_age_s": seconds(max_age_ms)}
         with self._transaction(conn) as tx:
-            row = _sql.tuples(tx).execute(self._query("dead_letters_count"), params, prepare=False).fetchone()
+            cursor = tx.cursor(row_factory=dict_row)
+            row = cursor.execute(self._query("dead_letters_count"), params, prepare=False).fetchone()
         assert row is not None
-        return int(row[0]), int(row[1]), int(row[2])
+        return {name: int(row[name]) for name in ("total", "too_old", "upto")}
 
     def replay_preview(
         self,
@@ -290,22 +287,22 @@ class PostgresDeadLetterStore:
         ids: Sequence[int] | None = None,
         where: DeadLetterFilter | None = None,
         force: bool = False,
-        max_age_ms: int | None = _UNSET,
+        max_age_ms: int | None = UNSET,
     ) -> tuple[int, int]:
         """What :meth:`replay` with the same arguments would find: (dead letters matching, how
         many of them it would refuse as too old).  For confirmation prompts."""
-        if max_age_ms is _UNSET:
+        if max_age_ms is UNSET:
             max_age_ms = self.replay_max_age_ms
         check_ms("max_age_ms", max_age_ms, allow_none=True, fix="or pass force=True")
-        where = _check_filter(where)
-        total, too_old, _ = self._count(None, where, _check_ids(ids), "dead", None if force else max_age_ms)
-        return total, too_old
+        check_bool("force", force)
+        where = check_filter(where)
+        counted = self._count(None, where, check_ids(ids), "dead", None if force else max_age_ms)
+        return counted["total"], counted["too_old"]
 
     def stats(self, *, where: DeadLetterFilter | None = None, limit: int = 20) -> tuple[DeadLetterGroup, ...]:
         """Dead letters grouped by fingerprint, biggest group first."""
-        where = _check_filter(where)
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
-            raise ConfigurationError(f"limit must be an int from 1 to 10000, got {limit!r}")
+        where = check_filter(where)
+        check_limit(limit)
         with self._transaction(None) as conn:
             cursor = conn.cursor(row_factory=class_row(DeadLetterGroup))
             query = self._query("dead_letters_stats")
@@ -328,7 +325,7 @@ class PostgresDeadLetterStore:
         queue_name: str | None = None,
         delay_ms: int | None = None,
         force: bool = False,
-        max_age_ms: int | None = _UNSET,
+        max_age_ms: int | None = UNSET,
         by: str | None = None,
         conn: psycopg.Connection[Any] | None = None,
         progress: Callable[[int, int], None] | None = None,
@@ -352,31 +349,29 @@ class PostgresDeadLetterStore:
         ``dramatiq-reliable relay``).  ``progress(done, total)`` is called after each batch.
         """
         started = time.perf_counter()
-        id_list, where = _check_target(ids, where, "replay")
-        if queue_name is not None and (
-            not isinstance(queue_name, str) or not queue_name or queue_name != q_name(queue_name)
-        ):
+        id_list, where = check_target(ids, where, "replay")
+        check_queue_name("queue_name", queue_name, allow_none=True)
+        if queue_name is not None and queue_name != q_name(queue_name):
             raise ConfigurationError(
                 f"queue_name must be a queue's canonical name (not its .DQ or .XQ), got {queue_name!r}"
             )
-        if delay_ms is not None:
-            check_ms("delay_ms", delay_ms, allow_none=False, fix="e.g. delay_ms=60000 for one minute")
-        if not isinstance(force, bool):
-            raise ConfigurationError(f"force must be a bool, got {force!r}")
-        if max_age_ms is _UNSET:
+        check_ms("delay_ms", delay_ms, allow_none=True, fix="e.g. delay_ms=60000 for one minute")
+        check_bool("force", force)
+        if max_age_ms is UNSET:
             max_age_ms = self.replay_max_age_ms
         check_ms("max_age_ms", max_age_ms, allow_none=True, fix="or pass force=True")
         age_limit = None if force else max_age_ms
-        handled_by = _check_by(by)
+        handled_by = check_by(by)
         bound = conn if conn is not None else bound_connection()
 
         before = self._states(bound, id_list, age_limit) if id_list is not None else {}
-        total, too_old, upto = self._count(bound, where, id_list, "dead", age_limit)
+        counted = self._count(bound, where, id_list, "dead", age_limit)
+        total, too_old, upto = counted["total"], counted["too_old"], counted["upto"]
         params = {
             **where.params(),
             "ids": id_list,
             "upto_id": upto,
-            "max_age_s": _seconds(age_limit),
+            "max_age_s": seconds(age_limit),
             "to_queue": queue_name,
             "delay_ms": delay_ms,
             "handled_by": handled_by,
@@ -411,13 +406,14 @@ class PostgresDeadLetterStore:
     ) -> DiscardResult:
         """Mark dead letters discarded, on purpose: they stay (with ``note``, who and when) for
         the audit trail until :meth:`purge`.  Rows are picked as for :meth:`replay`."""
-        id_list, where = _check_target(ids, where, "discard")
+        id_list, where = check_target(ids, where, "discard")
         if note is not None and not isinstance(note, str):
-            raise ConfigurationError(f"note must be a string or None, got {note!r}")
-        handled_by = _check_by(by)
+            raise ConfigurationError(f"note must be a string or None, got {type(note).__name__!r}")
+        handled_by = check_by(by)
         bound = conn if conn is not None else bound_connection()
         before = self._states(bound, id_list, None) if id_list is not None else {}
-        total, _, upto = self._count(bound, where, id_list, "dead", None)
+        counted = self._count(bound, where, id_list, "dead", None)
+        total, upto = counted["total"], counted["upto"]
         params = {
             **where.params(),
             "ids": id_list,
@@ -447,35 +443,31 @@ class PostgresDeadLetterStore:
         after_id = 0
         while True:
             with self._transaction(conn) as tx:
-                row = (
-                    _sql.tuples(tx)
-                    .execute(self._query(name), {**params, "after_at": after_at, "after_id": after_id}, prepare=False)
-                    .fetchone()
-                )
-                if name == "dead_letters_replay" and row is not None and row[0]:
+                cursor = tx.cursor(row_factory=dict_row)
+                batch = {**params, "after_at": after_at, "after_id": after_id}
+                row = cursor.execute(self._query(name), batch, prepare=False).fetchone()
+                if name == "dead_letters_replay" and row is not None and row["handled"]:
                     # One NOTIFY per batch, delivered with its commit: idle relays publish the
                     # replay at once.  Producers' inserts send none (see outbox/wake.py).
                     wake_relays(tx, schema=self.schema)
             assert row is not None
-            handled = int(row[0])
+            handled = int(row["handled"])
             done += handled
             if progress is not None and handled:
                 progress(done, max(total, done))
             # total came from the count: stopping there saves a last scan that finds nothing.
-            if handled < self.batch_size or row[2] is None or done >= total:
+            if handled < self.batch_size or row["last_id"] is None or done >= total:
                 return done
-            after_at, after_id = row[1], int(row[2])
+            after_at, after_id = row["last_failed_at"], int(row["last_id"])
 
     def _states(
         self, conn: psycopg.Connection[Any] | None, ids: Sequence[int], max_age_ms: int | None
     ) -> dict[int, tuple[str, bool]]:
         with self._transaction(conn) as tx:
-            rows = (
-                _sql.tuples(tx)
-                .execute(self._query("dead_letters_states"), {"ids": ids, "max_age_s": _seconds(max_age_ms)})
-                .fetchall()
-            )
-        return {row[0]: (row[1], bool(row[3])) for row in rows}
+            cursor = tx.cursor(row_factory=dict_row)
+            params = {"ids": ids, "max_age_s": seconds(max_age_ms)}
+            rows = cursor.execute(self._query("dead_letters_states"), params).fetchall()
+        return {int(row["id"]): (row["state"], bool(row["too_old"])) for row in rows}
 
     def _problems(
         self,
@@ -495,7 +487,7 @@ class PostgresDeadLetterStore:
             elif after.get(dead_letter_id, ("",))[0] == done_state:
                 continue
             elif before[dead_letter_id][1]:
-                age = _format_duration_ms(age_limit or 0)
+                age = format_duration_ms(age_limit or 0)
                 problems[dead_letter_id] = f"first sent more than {age} ago; pass force to replay it, or discard it"
             else:
                 problems[dead_letter_id] = (
@@ -508,7 +500,7 @@ class PostgresDeadLetterStore:
     def purge(
         self,
         *,
-        older_than_ms: int | None = _UNSET,
+        older_than_ms: int | None = UNSET,
         handled_older_than_ms: int | None = 0,
         batch: int | None = None,
     ) -> PurgeResult:
@@ -518,11 +510,11 @@ class PostgresDeadLetterStore:
         rows whose last failure is older.  ``handled_older_than_ms`` (default 0, all of them;
         ``None`` keeps them): replayed and discarded rows handled longer ago.
         """
-        if older_than_ms is _UNSET:
+        if older_than_ms is UNSET:
             older_than_ms = self.retention_ms
         check_ms("older_than_ms", older_than_ms, allow_none=True, fix="e.g. 30 days = 2592000000")
         check_ms("handled_older_than_ms", handled_older_than_ms, allow_none=True, fix="0 purges every handled row")
-        size = self.batch_size if batch is None else _check_batch(batch)
+        size = self.batch_size if batch is None else check_batch(batch)
         dead = self._purge("dead_letters_purge_dead", older_than_ms, size) if older_than_ms is not None else 0
         handled = (
             self._purge("dead_letters_purge_handled", handled_older_than_ms, size)

@@ -27,9 +27,10 @@ import psycopg
 from psycopg.rows import dict_row
 
 from .. import _sql, schema
-from ..backing import SendsTo
+from .._checks import check_choice, check_text
+from ..backing import SENDS_TO, SendsTo
 from ..database import Database, DatabaseLike
-from ..errors import ConfigurationError, ScheduleDisabled, ScheduleNotFound
+from ..errors import ScheduleDisabled, ScheduleNotFound
 from ..outbox.wake import wake_relays
 from .loop import add_tick, empty_ticks, tick_message, tick_message_id
 from .spec import Schedule, explain
@@ -39,6 +40,8 @@ __all__ = ["ScheduleStatus", "list_schedules", "pause_schedule", "resume_schedul
 UTC = dt.timezone.utc
 
 _TIMES = ("next_fire_at", "buffered_fire_at", "last_fire_at", "last_finished_at")
+#: A declared schedule's name is 1-200 characters (see ``Schedule``): a longer one names nothing.
+_MAX_NAME_CHARS = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +132,7 @@ def list_schedules(
 def pause_schedule(database: DatabaseLike, name: str, *, schema: str = _sql.DEFAULT_SCHEMA) -> ScheduleStatus:
     """Stop ``name`` firing until :func:`resume_schedule` (idempotent); a buffered tick is dropped."""
     schema_name = _sql.validate_schema(schema)
+    _check_name(name)
     with _connection(database) as conn, conn.transaction():
         _check(conn, schema_name)
         _get(conn, schema_name, name)
@@ -142,6 +146,7 @@ def resume_schedule(database: DatabaseLike, name: str, *, schema: str = _sql.DEF
     Resuming a schedule that is not paused changes nothing (its due tick is left to fire).
     """
     schema_name = _sql.validate_schema(schema)
+    _check_name(name)
     with _connection(database) as conn, conn.transaction():
         _check(conn, schema_name)
         row = _get(conn, schema_name, name)
@@ -164,8 +169,8 @@ def trigger_schedule(
     own ticks are unchanged.  Raises ``ScheduleDisabled`` for a schedule removed from code.
     """
     schema_name = _sql.validate_schema(schema)
-    if target not in ("outbox", "queue"):
-        raise ConfigurationError(f"target must be 'outbox' (OutboxBroker) or 'queue' (PostgresBroker), got {target!r}")
+    _check_name(name)
+    check_choice("target", target, SENDS_TO, fix="'outbox' for OutboxBroker, 'queue' for PostgresBroker")
     with _connection(database) as conn, conn.transaction():
         _check(conn, schema_name)
         if target == "queue":
@@ -194,12 +199,12 @@ def trigger_schedule(
             return message_id
         # The tick of this millisecond exists already (a double click): that run is this one.
         existing = (
-            _sql.tuples(conn)
+            conn.cursor(row_factory=dict_row)
             .execute(_sql.query("schedule_tick_message_id", schema_name), {"name": item.name, "fire_at": fire_at})
             .fetchone()
         )
         assert existing is not None
-        return str(existing[0])
+        return str(existing["message_id"])
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -228,7 +233,6 @@ def _check_queue(conn: psycopg.Connection[Any], schema_name: str) -> None:
 
 
 def _get(conn: psycopg.Connection[Any], schema_name: str, name: str) -> dict[str, Any]:
-    _check_name(name)
     row = conn.cursor(row_factory=dict_row).execute(_sql.query("schedule_get", schema_name), {"name": name}).fetchone()
     if row is None:
         raise _not_found(name, schema_name)
@@ -244,8 +248,9 @@ def _set_paused(
 
 
 def _check_name(name: object) -> None:
-    if not isinstance(name, str) or not name:
-        raise ConfigurationError(f"a schedule name must be a non-empty string, got {name!r}; pass e.g. 'nightly-sync'")
+    """Refuse, before any I/O, a name no schedule can have: not a string, a NUL or a lone surrogate
+    (Postgres text holds neither; the driver would raise its own error), or past 200 characters."""
+    check_text("schedule name", name, max_chars=_MAX_NAME_CHARS, fix="pass e.g. 'nightly-sync'")
 
 
 def _not_found(name: str, schema_name: str) -> ScheduleNotFound:

@@ -18,6 +18,6 @@ WITH picked AS (
     WHERE d.id = ANY(ARRAY(SELECT id FROM picked))
     RETURNING d.id
 )
-SELECT (SELECT count(*) FROM discarded), last.last_failed_at, last.id
+SELECT (SELECT count(*) FROM discarded) AS handled, last.last_failed_at, last.id AS last_id
 FROM (SELECT 1) AS one
 LEFT JOIN LATERAL (SELECT last_failed_at, id FROM picked ORDER BY last_failed_at DESC, id DESC LIMIT 1) AS last ON TRUE

@@ -70,6 +70,6 @@ WITH picked AS (
     RETURNING 1
 )
 -- How many went out, and where the next batch starts.
-SELECT (SELECT count(*) FROM sent), last.last_failed_at, last.id
+SELECT (SELECT count(*) FROM sent) AS handled, last.last_failed_at, last.id AS last_id
 FROM (SELECT 1) AS one
 LEFT JOIN LATERAL (SELECT last_failed_at, id FROM picked ORDER BY last_failed_at DESC, id DESC LIMIT 1) AS last ON TRUE

@@ -29,11 +29,12 @@ from dramatiq.broker import Broker
 from dramatiq.message import Message
 
 from ..dead_letters.analysis import Failure
+from ..dead_letters.cursor import decode_cursor, encode_cursor
 from ..dead_letters.records import (
-    _UNSET,
     DEFAULT_REPLAY_MAX_AGE_MS,
     DEFAULT_RETENTION_MS,
     RESET_OPTIONS,
+    UNSET,
     DeadLetter,
     DeadLetterCount,
     DeadLetterFilter,
@@ -45,12 +46,13 @@ from ..dead_letters.records import (
     State,
 )
 from ..dead_letters.validators import (
-    _check_by,
-    _check_filter,
-    _check_ids,
-    _check_target,
-    _decode_cursor,
-    _encode_cursor,
+    check_by,
+    check_filter,
+    check_id,
+    check_ids,
+    check_limit,
+    check_state,
+    check_target,
 )
 
 __all__ = ["InMemoryDeadLetterStore"]
@@ -173,6 +175,7 @@ class InMemoryDeadLetterStore:
             )
 
     def get(self, dead_letter_id: int) -> DeadLetter | None:
+        check_id(dead_letter_id)
         with self._lock:
             return self.rows.get(dead_letter_id)
 
@@ -184,22 +187,25 @@ class InMemoryDeadLetterStore:
         limit: int = 50,
         cursor: str | None = None,
     ) -> DeadLetterPage:
-        before_at, before_id = _decode_cursor(cursor)
-        rows = self._matching(_check_filter(where), state=state)
+        check_state(state)
+        check_limit(limit)
+        before_at, before_id = decode_cursor(cursor)
+        rows = self._matching(check_filter(where), state=state)
         if before_at is not None and before_id is not None:
             rows = [row for row in rows if (row.last_failed_at, row.id) < (before_at, before_id)]
         items = tuple(rows[:limit])
-        next_cursor = _encode_cursor(items[-1].last_failed_at, items[-1].id) if len(items) == limit else None
+        next_cursor = encode_cursor(items[-1].last_failed_at, items[-1].id) if len(items) == limit else None
         return DeadLetterPage(items, next_cursor)
 
     def count(
         self, *, where: DeadLetterFilter | None = None, ids: Sequence[int] | None = None, state: State | None = "dead"
     ) -> int:
-        return len(self._matching(_check_filter(where), _check_ids(ids), state))
+        return len(self._matching(check_filter(where), check_ids(ids), check_state(state)))
 
     def stats(self, *, where: DeadLetterFilter | None = None, limit: int = 20) -> tuple[DeadLetterGroup, ...]:
+        check_limit(limit)
         groups: dict[str, list[DeadLetter]] = {}
-        for row in self._matching(_check_filter(where)):
+        for row in self._matching(check_filter(where)):
             groups.setdefault(row.fingerprint, []).append(row)
         result = [
             DeadLetterGroup(
@@ -251,10 +257,10 @@ class InMemoryDeadLetterStore:
         ids: Sequence[int] | None = None,
         where: DeadLetterFilter | None = None,
         force: bool = False,
-        max_age_ms: Any = _UNSET,
+        max_age_ms: Any = UNSET,
     ) -> tuple[int, int]:
-        limit = self.replay_max_age_ms if max_age_ms is _UNSET else max_age_ms
-        rows = self._matching(_check_filter(where), _check_ids(ids))
+        limit = self.replay_max_age_ms if max_age_ms is UNSET else max_age_ms
+        rows = self._matching(check_filter(where), check_ids(ids))
         return len(rows), 0 if force else sum(self._too_old(row, limit) for row in rows)
 
     def replay(
@@ -265,13 +271,13 @@ class InMemoryDeadLetterStore:
         queue_name: str | None = None,
         delay_ms: int | None = None,
         force: bool = False,
-        max_age_ms: Any = _UNSET,
+        max_age_ms: Any = UNSET,
         by: str | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> ReplayResult:
-        id_list, where = _check_target(ids, where, "replay")
-        limit = None if force else (self.replay_max_age_ms if max_age_ms is _UNSET else max_age_ms)
-        handled_by = _check_by(by)
+        id_list, where = check_target(ids, where, "replay")
+        limit = None if force else (self.replay_max_age_ms if max_age_ms is UNSET else max_age_ms)
+        handled_by = check_by(by)
         replayed, too_old, problems = 0, 0, {}
         known = set(self.rows)
         for row in reversed(self._matching(where, id_list)):
@@ -317,8 +323,8 @@ class InMemoryDeadLetterStore:
         by: str | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> DiscardResult:
-        id_list, where = _check_target(ids, where, "discard")
-        handled_by = _check_by(by)
+        id_list, where = check_target(ids, where, "discard")
+        handled_by = check_by(by)
         rows = self._matching(where, id_list)
         with self._lock:
             for row in rows:
@@ -336,8 +342,8 @@ class InMemoryDeadLetterStore:
             progress(len(rows), len(rows))
         return DiscardResult(len(rows), problems)
 
-    def purge(self, *, older_than_ms: Any = _UNSET, handled_older_than_ms: int | None = 0) -> PurgeResult:
-        older = self.retention_ms if older_than_ms is _UNSET else older_than_ms
+    def purge(self, *, older_than_ms: Any = UNSET, handled_older_than_ms: int | None = 0) -> PurgeResult:
+        older = self.retention_ms if older_than_ms is UNSET else older_than_ms
         now = _now()
         dead = handled = 0
         with self._lock:

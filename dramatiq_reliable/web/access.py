@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 from starlette.requests import Request
 
+from .._checks import shown
 from ..errors import ConfigurationError
 
 __all__ = ["LEVELS", "Access", "AccessHook", "cross_site_problem", "resolve"]
@@ -115,17 +116,20 @@ def cross_site_problem(request: Request) -> str | None:
         if site.lower() in ("same-origin", "none"):
             return None
         return (
-            f"cross-site request refused: the browser sent Sec-Fetch-Site: {site!r}; "
+            f"cross-site request refused: the browser sent Sec-Fetch-Site: {shown(site)}; "
             "act from this page itself, not from another site or a link in another page"
         )
     origin = request.headers.get("origin")
     if origin is None:
         return None
     host = request.headers.get("host", "")
-    origin_host = urlsplit(origin).netloc if "://" in origin else ""
+    try:
+        origin_host = urlsplit(origin).netloc if "://" in origin else ""
+    except ValueError:  # "http://[::1": not an origin a browser sends
+        origin_host = ""
     if origin_host and origin_host.lower() == host.lower():
         return None
     return (
-        f"cross-site request refused: Origin {origin!r} is not this page's host {host!r}; "
+        f"cross-site request refused: Origin {shown(origin)} is not this page's host {shown(host)}; "
         "act from this page itself (a proxy in front of it must pass the Host header through unchanged)"
     )

@@ -24,8 +24,10 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from .. import events
+from .._checks import shown
 from .._util import format_age
 from ..dead_letters.selection import Selection, Verb
+from ..dead_letters.validators import MAX_ID
 from ..errors import ConfigurationError, ScheduleDisabled, ScheduleNotFound
 from ..outbox.admin import retry_failing
 from ..scheduler.admin import pause_schedule, resume_schedule, trigger_schedule
@@ -95,8 +97,8 @@ def _selection(form: FormData) -> Selection:
     """
     ids: list[int] = []
     for value in (str(item) for item in form.getlist("id")):
-        if not value.isdigit() or not 0 < int(value) < 2**63:
-            raise ConfigurationError(f"{value[:40]!r} is not a dead letter id")
+        if not (value.isascii() and value.isdigit() and len(value) <= 19) or not 0 < int(value) <= MAX_ID:
+            raise ConfigurationError(f"{shown(value)} is not a dead letter id")
         ids.append(int(value))
     if len(ids) > _MAX_IDS:
         raise ConfigurationError(f"{len(ids)} ids in one request; select at most {_MAX_IDS}, or use a filter")
@@ -257,7 +259,11 @@ async def schedule_action(request: Request) -> Response:
         return render(
             request,
             "error.html",
-            {"page": "schedules", "title": "Not found", "error": f"no action {verb!r}; use one of {_SCHEDULE_VERBS!r}"},
+            {
+                "page": "schedules",
+                "title": "Not found",
+                "error": f"no action {shown(verb)}; use one of {_SCHEDULE_VERBS!r}",
+            },
             status_code=404,
         )
     database = settings.actions.database
@@ -276,6 +282,10 @@ async def schedule_action(request: Request) -> Response:
                 trigger_schedule, database, name, schema=settings.schema, target=settings.target
             )
             flash, done = Flash(f"triggered {name!r}: one run sent now (message {message_id})"), 1
+    except ConfigurationError as error:
+        # A name no schedule can have (a NUL, a lone surrogate, 200+ characters): no link of
+        # the page leads here, so it gets a page saying so, not a flash on the list.
+        return _refuse(request, error, "schedules")
     except (ScheduleNotFound, ScheduleDisabled) as error:
         flash = Flash(str(error), "error")
     events.emit(

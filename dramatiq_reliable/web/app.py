@@ -2,15 +2,17 @@
 
 :func:`create_app` returns a Starlette app to mount in your own (``app.mount("/jobs", ...)``) or
 to run alone (``dramatiq-reliable web``); :func:`create_wsgi_app` wraps the same app for
-Django and Flask.  Every request passes the gate first: the access hook (or the loopback-only,
-read-only default) decides, forbidden requests get 403, and a POST must be same-site and come
-from a user with full access.
+Django and Flask.  Every request passes the gate first: a ``Host`` the page does not answer to
+gets 400 (DNS rebinding, see :mod:`.security`), the access hook (or the loopback-only, read-only
+default) decides, forbidden requests get 403, and a POST must be same-site and come from a user
+with full access.  Every response, refusals and errors included, carries the security headers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
@@ -28,16 +30,17 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import _sql
-from .._checks import check_ms
+from .._checks import check_bool, check_choice, check_int, check_ms, check_queue_name
 from .._util import redact
 from ..backing import SENDS_TO, SendsTo, postgres_backed
 from ..dead_letters import DEFAULT_REPLAY_MAX_AGE_MS, PostgresDeadLetterStore
 from ..errors import ConfigurationError, SchemaNotReady
-from ..health import QueueDepths, is_queue_name
+from ..health import QueueDepths
 from . import actions, views
 from .access import Access, AccessHook, cross_site_problem, resolve
 from .pools import ReadPool, action_database
 from .rendering import render
+from .security import LOOPBACK_HOSTS, SECURITY_HEADERS, check_allowed_hosts, host_problem, secured
 from .settings import Settings
 
 __all__ = ["create_app", "create_wsgi_app"]
@@ -61,6 +64,7 @@ def create_app(
     replay_max_age_ms: int | None = DEFAULT_REPLAY_MAX_AGE_MS,
     page_size: int = 50,
     scan_interval_ms: int = 60_000,
+    allowed_hosts: Iterable[str] | None = None,
 ) -> Starlette:
     """The web page for the person on call, as a Starlette (ASGI) app.
 
@@ -87,6 +91,10 @@ def create_app(
       scan_interval_ms: how often the overview runs ``status``'s two full scans of the outbox
         (the queues it ever saw, the retries not yet due); in between it reads the backlog
         through the outbox's partial index and shows the retries counted by the last scan.
+      allowed_hosts: the ``Host`` names the page answers to besides ``localhost``, ``127.0.0.1``
+        and ``[::1]`` (any port): exact names, or ``*.example.com`` for the names under it.  Any
+        other ``Host`` gets 400, which stops DNS rebinding.  With no access hook the check always
+        applies; with a hook only when ``allowed_hosts`` is given (see :mod:`.security` for why).
 
     >>> from starlette.applications import Starlette                                 # doctest: +SKIP
     >>> app = Starlette()                                                            # doctest: +SKIP
@@ -110,25 +118,23 @@ def create_app(
     _sql.validate_schema(schema)
     if target is None:
         target = backed.sends_to if backed is not None else "outbox"
-    if target not in SENDS_TO:
-        raise ConfigurationError(f"target must be 'outbox' (OutboxBroker) or 'queue' (PostgresBroker), got {target!r}")
+    check_choice("target", target, SENDS_TO, fix="'outbox' for OutboxBroker, 'queue' for PostgresBroker")
     check_ms("statement_timeout_ms", statement_timeout_ms, minimum=1, fix="e.g. statement_timeout_ms=2000")
     check_ms("replay_max_age_ms", replay_max_age_ms, allow_none=True, fix="e.g. 7 days = 604800000, or None")
-    if not isinstance(hide_args, bool):
-        raise ConfigurationError(f"hide_args must be a bool, got {hide_args!r}")
+    check_bool("hide_args", hide_args)
     if access is not None and not callable(access):
         raise ConfigurationError(
             f"access= must be a callable of the request returning an Access, got {type(access).__name__!r}"
         )
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 1000:
-        raise ConfigurationError(f"page_size must be an int from 1 to 1000, got {page_size!r}")
+    check_int("page_size", page_size, minimum=1, maximum=1000)
     queue_list = [str(name) for name in queues]
     for name in queue_list:
-        if not is_queue_name(q_name(name)):
-            raise ConfigurationError(
-                f"queues= holds {name[:60]!r}, which cannot be a queue name; give Dramatiq queue names"
-            )
+        check_queue_name("a name in queues=", q_name(name))
     check_ms("scan_interval_ms", scan_interval_ms, minimum=0, fix="e.g. scan_interval_ms=60000; 0 scans every time")
+    # No hook: loopback clients are trusted, so only the names a person types for this machine
+    # (and those given) are answered.  A hook: checked when the names are given (see .security).
+    hosts = None if allowed_hosts is None else check_allowed_hosts(allowed_hosts)
+    answered = LOOPBACK_HOSTS + (hosts or ()) if access is None or hosts is not None else None
 
     rabbitmq: QueueDepths | None = None
     if rabbitmq_url is not None:
@@ -151,6 +157,7 @@ def create_app(
         queues=queue_list,
         page_size=page_size,
         scan_interval_ms=scan_interval_ms,
+        allowed_hosts=answered,
         owned=[acting] if acting.owned else [],
     )
 
@@ -170,6 +177,7 @@ def create_app(
             psycopg.OperationalError: _unreachable,
             PoolTimeout: _unreachable,
             SchemaNotReady: _schema_not_ready,
+            Exception: _server_error,
         },
     )
     app.state.settings = settings
@@ -190,11 +198,17 @@ def create_wsgi_app(database: Any = None, **options: Any) -> Any:
 
 
 class _WsgiClient:
-    """Passes the client address through even from servers that set no ``REMOTE_PORT``.
+    """Hands a2wsgi an environ it can convert, whatever the client sent.
 
-    a2wsgi gives the ASGI app a client only with both ``REMOTE_ADDR`` and ``REMOTE_PORT``;
-    ``wsgiref`` (Django's ``runserver``) sets only the first, and without a client the
-    loopback-only default would refuse every request.
+    - The client address passes through even from servers that set no ``REMOTE_PORT``: a2wsgi
+      gives the ASGI app a client only with both ``REMOTE_ADDR`` and ``REMOTE_PORT``; ``wsgiref``
+      (Django's ``runserver``) sets only the first, and without a client the loopback-only
+      default would refuse every request.
+    - The path and query are made convertible: a WSGI server hands ``PATH_INFO`` over
+      percent-decoded (``/dead-letters/%FF`` is ``"/dead-letters/\xff"``), which a2wsgi decodes as
+      UTF-8, and a raw byte in the query fails its ASCII encoding: both raised inside a2wsgi, a
+      500 before the page could answer.  Bytes that are not UTF-8 become U+FFFD, as an ASGI server
+      decodes them, and non-ASCII query bytes are percent-encoded, so the page answers 400 or 404.
     """
 
     def __init__(self, wsgi: Any) -> None:
@@ -202,9 +216,20 @@ class _WsgiClient:
         self.app = wsgi.app
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        environ = dict(environ)
         if environ.get("REMOTE_ADDR") and not environ.get("REMOTE_PORT"):
-            environ = {**environ, "REMOTE_PORT": "0"}
+            environ["REMOTE_PORT"] = "0"
+        for key in ("SCRIPT_NAME", "PATH_INFO"):
+            if key in environ:
+                raw = str(environ[key]).encode("latin-1", "replace")
+                environ[key] = raw.decode("utf-8", "replace").encode("utf-8").decode("latin-1")
+        if "QUERY_STRING" in environ:
+            raw = str(environ["QUERY_STRING"]).encode("latin-1", "replace")
+            environ["QUERY_STRING"] = _NOT_ASCII.sub(lambda byte: b"%%%02X" % byte[0][0], raw).decode("ascii")
         return self.wsgi(environ, start_response)
+
+
+_NOT_ASCII = re.compile(rb"[\x80-\xff]")
 
 
 def _routes() -> list[Route | Mount]:
@@ -215,7 +240,8 @@ def _routes() -> list[Route | Mount]:
         Route("/dead-letters/list", views.dead_letter_list, name="dead_letter_list"),
         Route("/dead-letters/replay", actions.replay, methods=["POST"], name="replay"),
         Route("/dead-letters/discard", actions.discard, methods=["POST"], name="discard"),
-        Route("/dead-letters/{id:int}", views.dead_letter, name="dead_letter"),
+        # Not {id:int}: Starlette's int() of a 5000-digit path would raise (a 500); the view parses.
+        Route("/dead-letters/{id}", views.dead_letter, name="dead_letter"),
         Route("/outbox", views.outbox, name="outbox"),
         Route("/outbox/retry", actions.outbox_retry, methods=["POST"], name="outbox_retry"),
         Route("/schedules", views.schedules, name="schedules"),
@@ -225,7 +251,8 @@ def _routes() -> list[Route | Mount]:
 
 
 class _Gate:
-    """Decides access before any route runs; refuses forbidden requests and unsafe POSTs with 403."""
+    """Decides before any route runs: a ``Host`` the page does not answer to gets 400, forbidden
+    requests and unsafe POSTs 403; and every response passing through gets the security headers."""
 
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
@@ -235,7 +262,13 @@ class _Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = secured(send)
         request = Request(scope, receive)
+        # First, and before the hook: a rebound name must learn nothing, not even who may enter.
+        wrong_host = host_problem(request.headers.get("host"), self.settings.allowed_hosts)
+        if wrong_host is not None:
+            await PlainTextResponse(wrong_host, status_code=400)(scope, receive, send)
+            return
         decision = await resolve(request, self.settings.access)
         request.state.access = decision
         response = self._refusal(request, decision)
@@ -297,6 +330,18 @@ def _unreachable(request: Request, exc: Exception) -> Response:
         },
         status_code=503,
     )
+
+
+def _server_error(request: Request, exc: Exception) -> Response:
+    """A short page for a failure nobody foresaw (the server logs the traceback; the page shows none).
+
+    Starlette sends it from outside the gate, so it carries the security headers itself.
+    """
+    response = PlainTextResponse(
+        "internal error: the page failed unexpectedly; the server log has the details", status_code=500
+    )
+    response.headers.update(dict(SECURITY_HEADERS))
+    return response
 
 
 def _schema_not_ready(request: Request, exc: Exception) -> Response:

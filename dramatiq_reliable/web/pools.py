@@ -21,7 +21,7 @@ from typing import Any
 from psycopg import conninfo as _conninfo
 from psycopg_pool import ConnectionPool
 
-from ..database import Database, DatabaseLike, _bounded
+from ..database import Database, DatabaseLike, connection_kwargs
 
 __all__ = ["ReadPool", "action_database"]
 
@@ -42,7 +42,7 @@ class ReadPool:
 
     def __init__(self, database: DatabaseLike, *, statement_timeout_ms: int, max_size: int = 4) -> None:
         if isinstance(database, str):
-            conninfo, kwargs = database, _bounded(database)
+            conninfo, kwargs = database, connection_kwargs(database)
         else:
             pool = Database.of(database).pool
             conninfo = str(pool.conninfo)

@@ -146,10 +146,17 @@ def _read_flashes(request: Request) -> list[Flash]:
     try:
         items = json.loads(unquote(raw))
         return [
-            Flash(text=str(text)[:2000], kind=kind if kind in ("ok", "warn", "error") else "ok") for kind, text in items
+            Flash(text=_printable(str(text)[:2000]), kind=kind if kind in ("ok", "warn", "error") else "ok")
+            for kind, text in items
         ]
     except (ValueError, TypeError):
         return []
+
+
+def _printable(text: str) -> str:
+    """``text`` as UTF-8 can carry it: the cookie is the browser's, and its JSON may escape a lone
+    surrogate that no page could be encoded with."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _cookie_path(request: Request) -> str:

@@ -37,6 +37,8 @@ class Settings:
     queues: Sequence[str]
     page_size: int
     scan_interval_ms: int = 60_000
+    #: The ``Host`` names answered (see :mod:`.security`); ``None``: any.
+    allowed_hosts: Sequence[str] | None = None
     owned: list[Any] = dataclasses.field(default_factory=list)
     _read_store: PostgresDeadLetterStore | None = None
     _scan_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)

@@ -20,7 +20,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from .._checks import shown
 from ..dead_letters import DeadLetter, DeadLetterFilter
+from ..dead_letters.validators import MAX_ID
 from ..errors import ConfigurationError, SchemaNotReady
 from ..health import collect_health
 from ..outbox.admin import failing_rows, outbox_stats
@@ -156,7 +158,11 @@ def dead_letter_list(request: Request) -> Response:
         return render(
             request,
             "error.html",
-            {"page": "dead-letters", "title": "Bad filter", "error": f"state must be one of {STATES!r}, got {state!r}"},
+            {
+                "page": "dead-letters",
+                "title": "Bad filter",
+                "error": f"state must be one of {STATES!r}, got {shown(state)}",
+            },
             status_code=400,
         )
     cursor = params.get("cursor") or None
@@ -189,8 +195,10 @@ def dead_letter_list(request: Request) -> Response:
 def dead_letter(request: Request) -> Response:
     """One dead letter: its error, traceback, attempts, classification, trace id, arguments (``dead-letters show``)."""
     settings = settings_of(request)
-    dead_letter_id = int(request.path_params["id"])
-    item = settings.read_store().get(dead_letter_id) if 0 < dead_letter_id < 2**63 else None
+    given = str(request.path_params["id"])
+    # ASCII digits of a bigint only: int() also takes "1_0" and other scripts' digits.
+    dead_letter_id = int(given) if given.isascii() and given.isdigit() and len(given) <= 19 else 0
+    item = settings.read_store().get(dead_letter_id) if 0 < dead_letter_id <= MAX_ID else None
     if item is None:
         return render(
             request,
@@ -198,7 +206,7 @@ def dead_letter(request: Request) -> Response:
             {
                 "page": "dead-letters",
                 "title": "Not found",
-                "error": f"dead letter {dead_letter_id} not found; it may have been purged",
+                "error": f"dead letter {dead_letter_id or shown(given)} not found; it may have been purged",
             },
             status_code=404,
         )

@@ -34,7 +34,7 @@ import pytest
 from psycopg import sql
 from support import QueueJanitor
 from webseed import Seeded, seed
-from webtools import serve
+from webtools import csp_violations, serve
 
 from dramatiq_reliable import Database, OutboxBroker, schema
 
@@ -95,13 +95,20 @@ def browser() -> Iterator[Any]:
 
 @pytest.fixture
 def page(browser: Any) -> Iterator[Any]:
-    """A fresh page (own cookies and cache) at 1280x800; fails fast instead of waiting 30 s."""
+    """A fresh page (own cookies and cache) at 1280x800; fails fast instead of waiting 30 s.
+
+    Every test using it also proves the page works under its Content-Security-Policy: a
+    violation the browser reports (htmx injecting a style, an inline script) fails the test.
+    """
     context = browser.new_context(viewport=VIEWPORT, locale="en-GB", timezone_id="UTC")
     context.set_default_timeout(10_000)
+    violations = csp_violations(context)
     try:
         yield context.new_page()
     finally:
         context.close()
+    if violations:
+        pytest.fail(f"the page broke its Content-Security-Policy: {violations}", pytrace=False)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 from psycopg import sql
 from support import Rabbit, running
 from webseed import POISON_ERROR
-from webtools import number, row_ids, serve_static, states
+from webtools import csp_violations, number, row_ids, serve_static, states
 
 try:
     from playwright.sync_api import expect
@@ -23,6 +23,7 @@ except ImportError:  # the browser fixture skips (or fails in CI) naming the ins
     expect = None
 
 from dramatiq_reliable import Relay
+from dramatiq_reliable.scheduler.admin import pause_schedule
 from dramatiq_reliable.testing import wait_for
 
 
@@ -289,3 +290,46 @@ def test_the_outbox_shows_the_backlog_and_the_poison_rows_last_error_and_retry_g
         sql.Identifier(seeded.schema, "outbox")
     )
     assert db.execute(query, (seeded.poison_id,)).fetchone() == (0, True)
+
+
+def test_another_site_cannot_show_the_page_in_a_frame_so_a_click_there_resumes_nothing(site, browser, db):
+    seeded = site.seeded
+    pause_schedule(site.database, "refresh-rates", schema=seeded.schema)
+    # Another site frames the schedules page, to trick a click on Resume (clickjacking).
+    attack = f"""<!doctype html><html><body>
+      <iframe id="victim" src="{site.full}/schedules" width="1200" height="700"
+              onload="document.title = 'frame loaded'"></iframe>
+    </body></html>"""
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    violations = csp_violations(context)
+    try:
+        # Where Resume is drawn, as the other site would measure it on its own copy of the page.
+        measured = context.new_page()
+        measured.set_viewport_size({"width": 1200, "height": 700})
+        measured.goto(f"{site.full}/schedules")
+        row = measured.locator('[data-testid="schedule-row"][data-schedule="refresh-rates"]')
+        button = row.get_by_test_id("schedule-resume").bounding_box()
+        measured.close()
+        assert button is not None
+        page = context.new_page()
+        with serve_static(attack) as port:
+            with page.expect_response(lambda r: r.url == f"{site.full}/schedules") as framed:
+                page.goto(f"http://localhost:{port}/")
+            page.wait_for_function("document.title === 'frame loaded'")
+            victim = page.frame_locator("#victim")
+            expect(victim.get_by_test_id("schedule-row")).to_have_count(0)
+            frame = next(frame for frame in page.frames if frame != page.main_frame)
+            assert not frame.url.startswith(site.full), frame.url
+            # The click the visitor is tricked into, on the spot where Resume would be.
+            where = page.locator("#victim").bounding_box()
+            assert where is not None
+            page.mouse.click(
+                where["x"] + 2 + button["x"] + button["width"] / 2, where["y"] + 2 + button["y"] + button["height"] / 2
+            )
+        assert framed.value.status == 200  # served, but the browser did not show it
+        assert "frame-ancestors 'none'" in framed.value.headers["content-security-policy"]
+        assert framed.value.headers["x-frame-options"] == "DENY"
+        wait_for(lambda: any("frame-ancestors" in text for text in violations), message="no frame-ancestors report")
+    finally:
+        context.close()
+    assert _schedule(db, seeded.schema, "refresh-rates") == (True, 0)  # still paused

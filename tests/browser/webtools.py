@@ -1,4 +1,5 @@
-"""Small helpers the browser tests share: servers in threads, numbers read off a page, table states."""
+"""Small helpers the browser tests share: servers in threads, numbers read off a page, table states,
+the Content-Security-Policy violations a browser reports."""
 
 from __future__ import annotations
 
@@ -33,6 +34,19 @@ def states(db: psycopg.Connection[Any], schema: str) -> dict[int, str]:
     """Every dead letter's state, by id, read from the table."""
     query = sql.SQL("SELECT id, state FROM {}").format(sql.Identifier(schema, "dead_letters"))
     return {int(row[0]): str(row[1]) for row in db.execute(query).fetchall()}
+
+
+def csp_violations(context: Any) -> list[str]:
+    """The Content-Security-Policy violations the browser reports in ``context`` from now on
+    (Chromium writes each one to the console: a blocked inline style, script, eval or frame)."""
+    seen: list[str] = []
+
+    def on_console(message: Any) -> None:
+        if "Content Security Policy" in message.text:
+            seen.append(message.text)
+
+    context.on("console", on_console)
+    return seen
 
 
 def _free_socket() -> socket.socket:

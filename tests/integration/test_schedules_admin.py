@@ -9,7 +9,7 @@ import json
 import pytest
 from psycopg import sql
 
-from dramatiq_reliable import Database, ScheduleDisabled, ScheduleNotFound
+from dramatiq_reliable import ConfigurationError, Database, ScheduleDisabled, ScheduleNotFound
 from dramatiq_reliable.scheduler import Registry, Scheduler, schedule
 from dramatiq_reliable.scheduler.admin import (
     ScheduleStatus,
@@ -192,3 +192,36 @@ def test_a_trigger_to_an_unknown_target_is_refused_and_writes_nothing(loop, data
     with pytest.raises(ValueError, match="'outbox'.*'queue'"):
         trigger_schedule(database, "nightly", schema=db_schema, target="rabbitmq")  # type: ignore[arg-type]
     assert _count(db, db_schema, "schedule_ticks") == 0
+
+
+# -- names no schedule can have --------------------------------------------------------------------
+
+HOSTILE_NAMES = {
+    "nul": "night\x00ly",
+    "lone-surrogate": "night\ud800ly",
+    "very-long": "n" * 100_000,
+    "empty": "",
+    "not-a-string": 42,
+    "none": None,
+}
+
+
+@pytest.mark.parametrize("action", [pause_schedule, resume_schedule, trigger_schedule, list_schedules])
+@pytest.mark.parametrize("name", HOSTILE_NAMES.values(), ids=HOSTILE_NAMES.keys())
+def test_a_name_no_schedule_can_have_is_refused_with_our_error_not_the_drivers(
+    loop, database, db, db_schema, action, name
+):
+    if action is list_schedules and name is None:
+        pytest.skip("list_schedules(name=None) lists every schedule")
+    with pytest.raises(ConfigurationError, match=r"schedule name .*; pass e\.g\. 'nightly-sync'") as raised:
+        if action is list_schedules:
+            action(database, schema=db_schema, name=name)
+        else:
+            action(database, name, schema=db_schema)
+    assert len(str(raised.value)) < 300  # the value is shown shortened
+    assert _count(db, db_schema, "schedule_ticks") == 0 and _count(db, db_schema, "outbox") == 0
+
+
+def test_a_name_ending_in_a_newline_is_simply_not_found(loop, database, db_schema):
+    with pytest.raises(ScheduleNotFound, match=r"no schedule named 'nightly\\n'"):
+        pause_schedule(database, "nightly\n", schema=db_schema)

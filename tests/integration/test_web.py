@@ -3,7 +3,8 @@
 Each test has its own ``web_<random>`` schema with dead letters seeded through the
 ``DeadLetters`` middleware's own capture, dropped afterwards.  Requests come from a loopback
 client address (Starlette's test client is ``testclient`` otherwise, which the default gate
-refuses as remote).
+refuses as remote) and name ``localhost`` in ``Host`` (not ``testserver``, which it refuses as a
+name it does not answer to).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def client_for(database_url: str, db_schema: str) -> Iterator[Any]:
 
     def make(app: Any = None, *, client: tuple[str, int] = LOOPBACK, **options: Any) -> TestClient:
         options.setdefault("schema", db_schema)
-        test_client = TestClient(app or create_app(database_url, **options), client=client)
+        # Host: localhost, as a browser on this machine sends it (the hook-less page refuses others).
+        test_client = TestClient(app or create_app(database_url, **options), client=client, base_url="http://localhost")
         test_client.__enter__()
         clients.append(test_client)
         return test_client
@@ -342,7 +344,7 @@ def test_a_cross_site_post_changes_nothing(broker, client_for, db, db_schema):
     )
     assert states(db, db_schema) == {item.id: "dead"}
     same = client.post(
-        "/dead-letters/discard", data=data, headers={"Sec-Fetch-Site": "same-origin", "Origin": "http://testserver"}
+        "/dead-letters/discard", data=data, headers={"Sec-Fetch-Site": "same-origin", "Origin": "http://localhost"}
     )
     assert same.status_code == 200 and states(db, db_schema) == {item.id: "discarded"}
 
@@ -418,6 +420,36 @@ def test_the_wsgi_adapter_serves_the_page(broker, database_url, db_schema):
         app.app.state.settings.close()
     assert started == ["200 OK"]
     assert b'data-testid="dl-group"' in body
+
+
+@pytest.mark.parametrize(
+    ("path", "query"),
+    [
+        ("/dead-letters/\xff", ""),  # a WSGI server hands PATH_INFO over percent-decoded, as latin-1
+        ("/schedules/\xed\xa0\x80/pause", ""),  # a lone surrogate's bytes: not UTF-8
+        ("/dead-letters/list", "queue=\xff"),  # a raw byte a client sent in the query
+        ("/dead-letters/list", "cursor=%FF%FE"),
+        ("/schedules/a\x00b/pause", ""),
+    ],
+    ids=["path-not-utf8", "path-surrogate-bytes", "query-raw-byte", "query-percent-junk", "path-nul"],
+)
+def test_the_wsgi_adapter_answers_hostile_paths_and_queries_with_a_page_not_a_500(
+    broker, database_url, db_schema, path, query
+):
+    from wsgiref.util import setup_testing_defaults
+
+    app = create_wsgi_app(database_url, schema=db_schema, access=full)
+    environ: dict[str, Any] = {"PATH_INFO": path, "QUERY_STRING": query, "REQUEST_METHOD": "POST"}
+    environ["REMOTE_ADDR"] = "127.0.0.1"
+    setup_testing_defaults(environ)
+    if path.startswith("/dead-letters"):
+        environ["REQUEST_METHOD"] = "GET"
+    started: list[str] = []
+    try:
+        body = b"".join(app(environ, lambda status, headers, exc_info=None: started.append(status)))
+    finally:
+        app.app.state.settings.close()
+    assert started and int(started[0][:3]) < 500, (started, body[:200])
 
 
 # -- outbox and schedules ------------------------------------------------------------------------
@@ -524,3 +556,68 @@ def test_the_overview_runs_the_full_outbox_scans_once_per_interval_not_every_ref
     assert cell(cached.text, "retries-waiting", within='data-queue="web_mail"') == "0"  # from the scan
     assert 'data-queue="web_late"' not in cached.text
     assert 'data-queue="web_late"' in client_for(scan_interval_ms=0).get("/fragments/overview").text
+
+
+# -- hostile input and hostile sites -------------------------------------------------------------
+
+SECURITY_HEADERS = {
+    "x-frame-options": "DENY",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "same-origin",
+}
+
+
+def test_every_page_and_fragment_carries_the_security_headers(broker, client_for, stored_schedules):
+    item = capture(broker)
+    client = client_for(access=full)
+    paths = ["/", "/fragments/overview", "/dead-letters", "/dead-letters/list", f"/dead-letters/{item.id}"]
+    paths += ["/outbox", "/schedules", "/static/web.css", "/dead-letters/999999"]
+    for path in paths:
+        response = client.get(path)
+        assert response.status_code in (200, 404), path
+        for name, value in SECURITY_HEADERS.items():
+            assert response.headers[name] == value, (path, name)
+        assert "frame-ancestors 'none'" in response.headers["content-security-policy"], path
+    confirm = client.post("/dead-letters/replay", data={"id": str(item.id)})
+    done = client.post("/schedules/web-often/pause", follow_redirects=False)
+    for response in (confirm, done):
+        assert response.headers["x-frame-options"] == "DENY"
+        assert "frame-ancestors 'none'" in response.headers["content-security-policy"]
+
+
+def test_a_rebound_host_cannot_read_a_dead_letters_arguments(broker, client_for, database_url, db_schema):
+    item = capture(broker)
+    client = client_for()  # no hook: loopback clients only, read-only
+    assert "ann@example.com" in client.get(f"/dead-letters/{item.id}").text
+    rebound = client.get(f"/dead-letters/{item.id}", headers={"Host": "evil.example:8080"})
+    assert rebound.status_code == 400 and "ann@example.com" not in rebound.text
+    assert "does not answer to Host 'evil.example'" in rebound.text
+    named = client_for(allowed_hosts=["jobs.internal"])
+    assert named.get(f"/dead-letters/{item.id}", headers={"Host": "jobs.internal:8080"}).status_code == 200
+    host = Starlette(routes=[Mount("/jobs", app=create_app(database_url, schema=db_schema))])
+    mounted = client_for(host)
+    assert mounted.get(f"/jobs/dead-letters/{item.id}").status_code == 200
+    assert mounted.get(f"/jobs/dead-letters/{item.id}", headers={"Host": "evil.example"}).status_code == 400
+
+
+def test_a_nul_in_a_filter_or_an_overflowing_cursor_gets_a_readable_400_page(broker, client_for):
+    capture(broker)
+    client = client_for(access=full)
+    nul = client.get("/dead-letters/list?queue=web%00mail")
+    assert nul.status_code == 400 and 'data-testid="error-panel"' in nul.text
+    assert "filter queue_name must be text Postgres can store" in cell(nul.text, "error-panel")
+    for cursor in ("99999999999999999999.1", f"1700000000000000.{2**63}"):
+        page = client.get(f"/dead-letters/list?cursor={cursor}")
+        assert page.status_code == 400 and "pass next_cursor unchanged" in cell(page.text, "error-panel")
+    posted = client.post("/dead-letters/discard", data={"actor": "send\x00email", "confirm": "1"})
+    assert posted.status_code == 400 and "filter actor_name must be text" in cell(posted.text, "error-panel")
+
+
+def test_a_schedule_name_with_a_nul_gets_a_readable_400_page_and_changes_nothing(stored_schedules, client_for, db):
+    client = client_for(access=full)
+    for verb in ("pause", "resume", "trigger"):
+        page = client.post(f"/schedules/web-nightly%00/{verb}")
+        assert page.status_code == 400, verb
+        assert "schedule name must be text Postgres can store" in cell(page.text, "error-panel")
+    listed = client.get("/schedules")
+    assert cell(listed.text, "schedule-state", within='data-schedule="web-nightly"') == "active"

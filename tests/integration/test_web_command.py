@@ -46,15 +46,23 @@ def test_the_command_serves_the_page_and_exits_0_on_sigterm(database_url, web_sc
     port = _free_port()
     command = [sys.executable, "-m", "dramatiq_reliable", "web", "--port", str(port)]
     command += ["--database-url", database_url, "--schema", web_schema, "--skip-rabbitmq"]
+    command += ["--allowed-host", "jobs.internal"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         page = wait_for(lambda: _get(f"http://127.0.0.1:{port}/dead-letters"), timeout_ms=20_000)
         assert page.status_code == 200
         assert 'data-testid="access-mode"' in page.text and "read-only" in page.text
+        assert page.headers["x-frame-options"] == "DENY"
         assert _get(f"http://127.0.0.1:{port}/static/htmx.min.js").status_code == 200  # type: ignore[union-attr]
+        # A name pointed at this machine by another site is refused; the one allowed passes.
+        rebound = httpx.get(f"http://127.0.0.1:{port}/dead-letters", headers={"Host": "evil.example"}, timeout=5)
+        assert rebound.status_code == 400
+        allowed = httpx.get(f"http://127.0.0.1:{port}/dead-letters", headers={"Host": "jobs.internal"}, timeout=5)
+        assert allowed.status_code == 200
     finally:
         process.send_signal(signal.SIGTERM)
         _out, err = process.communicate(timeout=20)
     assert process.returncode == 0, err
     assert f"serving the web page for schema {web_schema!r} on http://127.0.0.1:{port}/" in err
+    assert "also answering to jobs.internal" in err
     assert "web page stopped" in err

@@ -29,7 +29,7 @@ from dramatiq_reliable.dead_letters import (
     notify_channel,
 )
 from dramatiq_reliable.dead_letters.analysis import _describe_failure, _json_text
-from dramatiq_reliable.dead_letters.validators import _decode_cursor, _encode_cursor
+from dramatiq_reliable.dead_letters.cursor import decode_cursor, encode_cursor
 
 UTC = datetime.timezone.utc
 
@@ -320,7 +320,7 @@ def test_the_store_and_middleware_name_the_fix_for_bad_arguments():
     with pytest.raises(ConfigurationError, match="timeout_ms"):
         DeadLetters(timeout_ms=0)
     with pytest.raises(ConfigurationError, match="cursor"):
-        _decode_cursor("page-2")
+        decode_cursor("page-2")
 
 
 @given(
@@ -330,7 +330,7 @@ def test_the_store_and_middleware_name_the_fix_for_bad_arguments():
     st.integers(min_value=1, max_value=2**62),
 )
 def test_cursors_round_trip_exactly(moment, dead_letter_id):
-    assert _decode_cursor(_encode_cursor(moment, dead_letter_id)) == (moment, dead_letter_id)
+    assert decode_cursor(encode_cursor(moment, dead_letter_id)) == (moment, dead_letter_id)
 
 
 # -- the command's pieces -----------------------------------------------------------------------

@@ -22,3 +22,11 @@ def test_an_access_hook_that_cannot_be_imported_is_a_usage_error(capsys):
     assert "is not module:callable" in capsys.readouterr().err
     assert main(["web", "--access", "json:no_such_name"]) == ExitCode.USAGE
     assert "module 'json' has no 'no_such_name'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["jobs.internal:8080", "http://jobs.internal", "*"])
+def test_an_allowed_host_that_is_not_a_host_name_is_a_usage_error_naming_the_option(name, capsys):
+    command = ["web", "--allowed-host", "ok.internal", "--allowed-host", name]
+    assert main([*command, "--database-url", "postgresql://nobody@127.0.0.1:1/none"]) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert "--allowed-host: allowed_hosts holds" in err and repr(name) in err
