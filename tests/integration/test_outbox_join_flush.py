@@ -19,7 +19,7 @@ from dramatiq.errors import QueueJoinTimeout
 from support import Rabbit, running
 
 from dramatiq_reliable import OutboxBroker, Relay, SchemaNotReady
-from dramatiq_reliable.testing import drain_outbox
+from dramatiq_reliable.testing import drain_outbox, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -113,6 +113,22 @@ def test_flush_drops_the_queues_unpublished_rows_and_keeps_published_ones_and_ot
     assert _unpublished(db, db_schema) == []
     assert _published(db, db_schema) == 1
     assert drain_outbox(broker) == 0
+
+
+def test_flush_while_a_relay_publishes_leaves_nothing_behind_in_either_place(
+    broker: OutboxBroker, queue_name: str, rabbit: Rabbit, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    task = _actor(broker, queue_name)
+    with broker.transaction():
+        for n in range(2000):
+            task.send(n)
+    relay = Relay.from_broker(broker, batch_size=50, poll_interval_ms=50)
+    with running(relay.run, relay.stop):
+        wait_for(lambda: _published(db, db_schema) > 0, timeout_ms=30_000, message="the relay published nothing")
+        broker.flush(queue_name)
+        # Rows the relay held were waited for and then purged from RabbitMQ; the rest were deleted.
+        assert _unpublished(db, db_schema) == []
+        assert rabbit.count(queue_name) == 0
 
 
 def test_join_and_flush_on_an_unmigrated_schema_name_the_migrate_command(
