@@ -37,6 +37,7 @@ __all__ = [
     "current_version",
     "ensure_ready",
     "migrate",
+    "migrate_command",
     "migration_sql",
     "migrations",
 ]
@@ -136,7 +137,7 @@ def current_version(conn: psycopg.Connection[Any], *, schema: str = _sql.DEFAULT
 def ensure_ready(conn: psycopg.Connection[Any], *, schema: str, required: int, feature: str) -> None:
     """Raise ``SchemaNotReady`` unless ``schema`` is at least at version ``required``."""
     version = _version(conn, schema)
-    command = "dramatiq-reliable migrate" + ("" if schema == _sql.DEFAULT_SCHEMA else f" --schema {schema}")
+    command = migrate_command(schema)
     if version is None:
         raise SchemaNotReady(
             f"the {feature} tables in schema {schema!r} do not exist; run {command!r} "
@@ -146,6 +147,11 @@ def ensure_ready(conn: psycopg.Connection[Any], *, schema: str, required: int, f
         raise SchemaNotReady(
             f"schema {schema!r} is at version {version} but {feature} needs version {required}; run {command!r}"
         )
+
+
+def migrate_command(schema: str) -> str:
+    """The command that migrates ``schema``, for the messages that tell people to run it."""
+    return "dramatiq-reliable migrate" + ("" if schema == _sql.DEFAULT_SCHEMA else f" --schema {schema}")
 
 
 def _version(conn: psycopg.Connection[Any], schema: str) -> int | None:

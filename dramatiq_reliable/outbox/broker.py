@@ -5,23 +5,33 @@ Dramatiq's ``RabbitmqBroker``, which this class extends.  The relay
 (:mod:`dramatiq_reliable.outbox.relay`) moves committed rows to RabbitMQ.  The send path itself
 (validation, which transaction, retries from a worker) is :mod:`dramatiq_reliable.sending`,
 shared with ``PostgresBroker``.
+
+``join()`` and ``flush()`` see the outbox too: a message sent is in the queue from the moment
+its row commits, whether or not a relay has published it yet, so a test's ``broker.join(queue)``
+waits for the relay and ``broker.flush_all()`` leaves no row to be published after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import psycopg
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from dramatiq.common import dq_name, q_name
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 from dramatiq.worker import ConsumerThread
+from psycopg.rows import dict_row
 
 from .. import _sql, schema
 from ..backing import SendsTo
 from ..database import DatabaseLike
+from ..errors import SchemaNotReady
+from ..joining import join_until_empty
 from ..sending import DEFAULT_PAYLOAD_LIMIT_BYTES, Row, RowSending, TrackProcessing, Unbound
 
 __all__ = ["OutboxBroker"]
@@ -139,3 +149,71 @@ class OutboxBroker(RowSending, RabbitmqBroker):
 
     def _insert(self, conn: psycopg.Connection[Any], row: Row) -> None:
         conn.execute(_sql.query("outbox_insert", self.schema), row)
+
+    # -- tests' helpers: join and flush ----------------------------------------------------------
+
+    def join(
+        self, queue_name: str, min_successes: int = 10, idle_time: int = 100, *, timeout: int | None = None
+    ) -> None:
+        """Wait until every message sent to ``queue_name`` was published and consumed.
+
+        ``RabbitmqBroker.join``'s contract, counting the outbox too: every ``idle_time``
+        milliseconds the queue's unpublished outbox rows (its delayed ones included) and the
+        messages in RabbitMQ's queue and delay queue are counted, and the total must be 0
+        ``min_successes`` times in a row.  Raises ``QueueJoinTimeout`` after ``timeout``
+        milliseconds, e.g. when no relay runs.  As with RabbitMQ, a message a worker holds
+        unacked is not counted.
+        """
+        canonical = q_name(queue_name)
+        names = [canonical, dq_name(canonical)]
+
+        def pending() -> int:
+            with self._outbox() as conn:
+                cursor = conn.cursor(row_factory=dict_row)
+                row = cursor.execute(_sql.query("outbox_pending", self.schema), {"queue_names": names}).fetchone()
+            unpublished = int(row["pending"]) if row else 0
+            if unpublished:
+                return unpublished  # RabbitMQ is asked only once the relay has published them all
+            ready, delayed, _dead = self.get_queue_message_counts(canonical)
+            return int(ready) + int(delayed)
+
+        join_until_empty(
+            canonical,
+            pending,
+            min_successes=min_successes,
+            idle_time=idle_time,
+            timeout=timeout,
+            sleep=self.connection.sleep,
+        )
+
+    def flush(self, queue_name: str) -> None:
+        """Drop every message of ``queue_name``: its unpublished outbox rows, then RabbitMQ's queues.
+
+        Rows already published stay in the outbox for audit (retention purges them).
+        """
+        self._flush_outbox([queue_name])
+        super().flush(queue_name)
+
+    def flush_all(self) -> None:
+        """Drop every message of every declared queue, unpublished outbox rows included."""
+        self._flush_outbox(self.queues)
+        for queue_name in self.queues:
+            super().flush(queue_name)
+
+    def _flush_outbox(self, queue_names: Iterable[str]) -> None:
+        # Before RabbitMQ's purge: a row a relay is publishing meanwhile is then purged there.
+        names = [name for queue_name in queue_names for name in (q_name(queue_name), dq_name(q_name(queue_name)))]
+        if names:
+            with self._outbox() as conn:
+                conn.execute(_sql.query("outbox_flush", self.schema), {"queue_names": names})
+
+    @contextlib.contextmanager
+    def _outbox(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled autocommit connection whose statements raise ``SchemaNotReady`` on an unmigrated schema."""
+        with self._autocommit(timeout_ms=None) as conn:
+            try:
+                yield conn
+            except psycopg.errors.UndefinedTable as error:
+                raise SchemaNotReady(
+                    f"table {self.schema!r}.{self.table!r} does not exist; run {schema.migrate_command(self.schema)!r}"
+                ) from error

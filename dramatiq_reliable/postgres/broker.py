@@ -9,16 +9,17 @@ Moving to RabbitMQ later is one line: build an ``OutboxBroker`` instead (docs/po
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
-import time
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import psycopg
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.common import q_name, xq_name
-from dramatiq.errors import QueueJoinTimeout, QueueNotFound
+from dramatiq.errors import QueueNotFound
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware, Retries
 
@@ -27,12 +28,14 @@ from .._checks import check_int, check_ms
 from ..backing import SendsTo
 from ..binding import bound_connection
 from ..database import DatabaseLike
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, SchemaNotReady
+from ..joining import join_until_empty
 from ..retries import ClassifiedRetries
 from ..sending import DEFAULT_PAYLOAD_LIMIT_BYTES, Row, RowSending, TrackProcessing, Unbound, processing_message
 from . import queue, retention
 from .consumer import Listener, PostgresConsumer, PostgresMessage
 from .lease import Leases
+from .readiness import SchemaGate
 
 __all__ = ["PostgresBroker"]
 
@@ -142,7 +145,8 @@ class PostgresBroker(RowSending, Broker):
         self.dead_message_ttl_ms = dead_message_ttl_ms
         # Lease tokens: distinct per claim, and per process with overwhelming likelihood.
         self._lease_tokens = itertools.count(random.getrandbits(62) + 1)
-        self.listener = Listener(self.database, self.schema)
+        self.schema_gate = SchemaGate(self._check_queue_table, schema=self.schema)
+        self.listener = Listener(self.database, self.schema, on_notify=self.schema_gate.nudge)
         self.leases = Leases(
             self.database,
             self.schema,
@@ -159,9 +163,9 @@ class PostgresBroker(RowSending, Broker):
         TrackProcessing.install(self)
         retries = [m for m in self.middleware if isinstance(m, (Retries, ClassifiedRetries))]
         if retries:
-            self.add_middleware(_AckInJobTransaction(), before=type(retries[-1]))
+            self.add_middleware(AckInJobTransaction(), before=type(retries[-1]))
         else:
-            self.add_middleware(_AckInJobTransaction())
+            self.add_middleware(AckInJobTransaction())
 
     def close(self) -> None:
         """Stop the listener and heartbeat (acks still pending are written) and close the pool it created."""
@@ -191,38 +195,57 @@ class PostgresBroker(RowSending, Broker):
 
     def flush(self, queue_name: str) -> None:
         """Drop every message of ``queue_name``: waiting, delayed, held and dead (``.XQ``)."""
-        with queue.pooled(self.database) as conn:
+        with self._tables() as conn:
             queue.flush(conn, self.schema, [queue_name, xq_name(queue_name)])
 
     def flush_all(self) -> None:
         """Drop every message of every declared queue."""
         names = [name for queue_name in self.queues for name in (queue_name, xq_name(queue_name))]
         if names:
-            with queue.pooled(self.database) as conn:
+            with self._tables() as conn:
                 queue.flush(conn, self.schema, names)
 
-    def join(self, queue_name: str, *, timeout: int | None = None, interval_ms: int = 20) -> None:
+    def join(
+        self, queue_name: str, min_successes: int = 10, idle_time: int = 100, *, timeout: int | None = None
+    ) -> None:
         """Wait until ``queue_name`` holds no message that is waiting, delayed or being processed.
 
-        Unlike RabbitMQ's join it counts held (unacked) rows too, so a message still running
-        keeps it waiting.  Raises ``QueueJoinTimeout`` after ``timeout`` milliseconds.
+        The same contract as ``RabbitmqBroker.join``: the queue is counted every ``idle_time``
+        milliseconds and must be empty ``min_successes`` times in a row; ``QueueJoinTimeout``
+        is raised after ``timeout`` milliseconds.  Unlike RabbitMQ's count, this one includes
+        messages claimed and still running, so an empty count means the queue is done; pass
+        ``min_successes=1`` to return at the first one (the default also waits out messages
+        that a job running on another queue may still send here).
         """
         if queue_name not in self.queues:
             raise QueueNotFound(queue_name)  # type: ignore[no-untyped-call]
-        deadline = None if timeout is None else time.monotonic() + timeout / 1000
-        while True:
-            self.leases.flush()
-            with queue.pooled(self.database) as conn:
-                if queue.pending(conn, self.schema, queue_name) == 0:
-                    return
-            if deadline is not None and time.monotonic() >= deadline:
-                raise QueueJoinTimeout(queue_name)  # type: ignore[no-untyped-call]
-            time.sleep(interval_ms / 1000)
+
+        def pending() -> int:
+            self.leases.flush()  # this process's acks still waiting to be written
+            with self._tables() as conn:
+                return queue.pending(conn, self.schema, queue_name)
+
+        join_until_empty(queue_name, pending, min_successes=min_successes, idle_time=idle_time, timeout=timeout)
 
     def counts(self) -> list[queue.QueueCounts]:
         """Every Postgres queue's ready, delayed and held messages and oldest ready age."""
-        with queue.pooled(self.database) as conn:
+        with self._tables() as conn:
             return queue.counts(conn, self.schema)
+
+    @contextlib.contextmanager
+    def _tables(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled autocommit connection whose statements raise ``SchemaNotReady`` on an unmigrated schema."""
+        with queue.pooled(self.database) as conn:
+            try:
+                yield conn
+            except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as error:
+                raise SchemaNotReady(
+                    f"table {self.schema!r}.{self.table!r} does not exist; run {schema.migrate_command(self.schema)!r}"
+                ) from error
+
+    def _check_queue_table(self) -> None:
+        with queue.pooled(self.database) as conn:
+            schema.ensure_ready(conn, schema=self.schema, required=self.required_version, feature="queue")
 
     def _housekeeping(self, conn: psycopg.Connection[Any]) -> None:
         retention.purge_dead(conn, schema=self.schema, older_than_ms=self.dead_message_ttl_ms)
@@ -294,7 +317,7 @@ class PostgresBroker(RowSending, Broker):
         super()._worker_gave_up(message)
 
 
-class _AckInJobTransaction(Middleware):
+class AckInJobTransaction(Middleware):
     """Deletes a succeeded job's row on the connection bound as it ends, inside that transaction.
 
     ``Idempotency`` (transactional) binds the job's connection and commits it in its own

@@ -4,6 +4,9 @@ One listener thread per broker holds the ``LISTEN`` connection and wakes the con
 queue a notification names; a consumer that hears nothing claims again after Dramatiq's
 ``worker_timeout`` anyway, so a lost notification (the listener reconnecting, a row that
 became visible when its eta or a lease passed) delays a message by at most that long.
+
+Consumers claim nothing until the broker's :class:`~.readiness.SchemaGate` finds the queue
+table: on an unmigrated schema a worker logs one error and waits for the migration.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -43,11 +46,16 @@ def channel(schema: str) -> str:
 
 
 class Listener:
-    """The broker's one ``LISTEN`` connection, turning notifications into per-queue wake-ups."""
+    """The broker's one ``LISTEN`` connection, turning notifications into per-queue wake-ups.
 
-    def __init__(self, database: Database, schema: str) -> None:
+    ``on_notify`` is called before the wake-up of every notification (the broker's schema gate:
+    a notification proves the queue table exists).
+    """
+
+    def __init__(self, database: Database, schema: str, *, on_notify: Callable[[], None] | None = None) -> None:
         self.database = database
         self.channel = channel(schema)
+        self._on_notify = on_notify
         self._lock = threading.Lock()
         self._events: dict[str, set[threading.Event]] = collections.defaultdict(set)
         self._stop = threading.Event()
@@ -102,6 +110,8 @@ class Listener:
                     self.wake_all()
                     while not self._stop.is_set():
                         for notify in conn.notifies(timeout=0.5):
+                            if self._on_notify is not None:
+                                self._on_notify()
                             self.wake(notify.payload)
             except psycopg.Error as error:
                 self.listening.clear()
@@ -155,13 +165,20 @@ class PostgresConsumer(Consumer):
             if self._buffer:
                 return self._buffer.popleft()
             self._wake.clear()
-            free = self.prefetch - self.broker.leases.held_count(self.queue_name)
-            if free > 0 and self._claim(min(free, self.broker.claim_batch_size)):
-                continue
+            if self._schema_ready():
+                free = self.prefetch - self.broker.leases.held_count(self.queue_name)
+                if free > 0 and self._claim(min(free, self.broker.claim_batch_size)):
+                    continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
             self._wake.wait(remaining)
+
+    def _schema_ready(self) -> bool:
+        try:
+            return self.broker.schema_gate.is_open()
+        except _DB_ERRORS as error:
+            raise ConnectionClosed(error) from error  # type: ignore[no-untyped-call]
 
     def _claim(self, limit: int) -> bool:
         lease = next(self._token)
@@ -175,6 +192,10 @@ class PostgresConsumer(Consumer):
                     lease=lease,
                     lease_ms=self.broker.lease_ms,
                 )
+        except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as error:
+            # Dropped while the worker ran: wait for the migration as a new worker does.
+            self.broker.schema_gate.lost(error)
+            return False
         except _DB_ERRORS as error:
             raise ConnectionClosed(error) from error  # type: ignore[no-untyped-call]
         if not rows:

@@ -17,21 +17,37 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg_pool import PoolTimeout
 
+from .._util import first_line
 from ..database import Database
 from . import queue
 
-__all__ = ["Leases"]
+__all__ = ["Ack", "Held", "Leases"]
 
 logger = logging.getLogger("dramatiq_reliable.postgres")
 
 
+class Held(NamedTuple):
+    """A row this process holds: the lease token it holds it by, and its queue."""
+
+    lease: int
+    queue_name: str
+
+
+class Ack(NamedTuple):
+    """An ack waiting to be written: the row, the lease it was held by, and its queue."""
+
+    row_id: int
+    lease: int
+    queue_name: str
+
+
 class Leases:
-    """Held rows of one broker, keyed by row id (the value is the lease token)."""
+    """Held rows of one broker, keyed by row id."""
 
     def __init__(
         self,
@@ -52,9 +68,9 @@ class Leases:
         self._housekeeping = housekeeping
         self._housekeeping_ms = housekeeping_ms
         self._lock = threading.Lock()
-        self._held: dict[int, tuple[int, str]] = {}
+        self._held: dict[int, Held] = {}
         self._per_queue: dict[str, int] = {}
-        self._acks: list[tuple[int, int, str]] = []
+        self._acks: list[Ack] = []
         self._flushing = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -64,7 +80,7 @@ class Leases:
     def hold(self, queue_name: str, rows: list[queue.ClaimedRow]) -> None:
         with self._lock:
             for row in rows:
-                self._held[row.id] = (row.lease, queue_name)
+                self._held[row.id] = Held(row.lease, queue_name)
             self._per_queue[queue_name] = self._per_queue.get(queue_name, 0) + len(rows)
         self.start()
 
@@ -76,18 +92,18 @@ class Leases:
     def forget(self, row_id: int) -> None:
         """Stop holding ``row_id`` (its fate was settled elsewhere: a retry in place, a nack)."""
         with self._lock:
-            entry = self._held.pop(row_id, None)
-            if entry is not None:
-                self._per_queue[entry[1]] -= 1
-        if entry is not None:
-            self._on_release(entry[1])
+            held = self._held.pop(row_id, None)
+            if held is not None:
+                self._per_queue[held.queue_name] -= 1
+        if held is not None:
+            self._on_release(held.queue_name)
 
     # -- acks -----------------------------------------------------------------------------------
 
     def ack(self, row_id: int, lease: int, queue_name: str) -> None:
         """Queue the ack of a row and write every pending ack unless another thread is writing."""
         with self._lock:
-            self._acks.append((row_id, lease, queue_name))
+            self._acks.append(Ack(row_id, lease, queue_name))
             if self._flushing:
                 return
             self._flushing = True
@@ -110,7 +126,7 @@ class Leases:
                     return
             try:
                 with queue.pooled(self.database) as conn:
-                    queue.ack(conn, self.schema, [(row_id, lease) for row_id, lease, _ in batch])
+                    queue.ack(conn, self.schema, [(ack.row_id, ack.lease) for ack in batch])
             except (psycopg.Error, PoolTimeout) as error:
                 with self._lock:
                     self._acks[:0] = batch
@@ -120,11 +136,11 @@ class Leases:
                     "come back after their lease if this process stops first",
                     len(batch),
                     type(error).__name__,
-                    str(error).strip().splitlines()[0] if str(error).strip() else "",
+                    first_line(error),
                 )
                 return
-            for row_id, _, _ in batch:
-                self.forget(row_id)
+            for ack in batch:
+                self.forget(ack.row_id)
 
     # -- heartbeat ------------------------------------------------------------------------------
 
@@ -148,7 +164,7 @@ class Leases:
     def beat(self) -> int:
         """Extend every lease held now; the number of rows still held by this process."""
         with self._lock:
-            held = [(row_id, lease) for row_id, (lease, _) in self._held.items()]
+            held = [(row_id, entry.lease) for row_id, entry in self._held.items()]
         if not held:
             return 0
         with queue.pooled(self.database) as conn:

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
+from psycopg.rows import class_row, dict_row
 
 from .. import _sql
 from ..database import Database
@@ -112,14 +113,16 @@ def claim(
     conn: psycopg.Connection[Any], schema: str, *, queue_name: str, limit: int, lease: int, lease_ms: int
 ) -> list[ClaimedRow]:
     rows = (
-        _sql.tuples(conn)
+        conn.cursor(row_factory=dict_row)
         .execute(
             _sql.query("queue_claim", schema),
             {"queue_name": queue_name, "limit": limit, "lease": lease, "lease_s": lease_ms / 1000},
         )
         .fetchall()
     )
-    return [ClaimedRow(int(row[0]), lease, bytes(row[1]), int(row[2])) for row in rows]
+    return [
+        ClaimedRow(id=row["id"], lease=lease, body=bytes(row["body"]), deliveries=row["deliveries"]) for row in rows
+    ]
 
 
 def _unzip(held: Held) -> dict[str, list[int]]:
@@ -144,11 +147,11 @@ def release(conn: psycopg.Connection[Any], schema: str, held: Held) -> int:
 def nack(conn: psycopg.Connection[Any], schema: str, *, row_id: int, lease: int, xq_name: str) -> tuple[int, int]:
     """Take a failed message off its queue: (deleted because a dead letter holds it, kept as ``.XQ``)."""
     row = (
-        _sql.tuples(conn)
+        conn.cursor(row_factory=dict_row)
         .execute(_sql.query("queue_nack", schema), {"id": row_id, "lease": lease, "xq_name": xq_name})
         .fetchone()
     )
-    return (int(row[0]), int(row[1])) if row else (0, 0)
+    return (row["deleted"], row["kept"]) if row else (0, 0)
 
 
 def retry_in_place(
@@ -170,11 +173,14 @@ def retry_in_place(
 
 
 def pending(conn: psycopg.Connection[Any], schema: str, queue_name: str) -> int:
-    row = _sql.tuples(conn).execute(_sql.query("queue_pending", schema), {"queue_name": queue_name}).fetchone()
-    return int(row[0]) if row else 0
+    """Messages of ``queue_name`` not yet done: waiting, delayed or held by a consumer."""
+    cursor = conn.cursor(row_factory=dict_row)
+    row = cursor.execute(_sql.query("queue_pending", schema), {"queue_name": queue_name}).fetchone()
+    return int(row["pending"]) if row else 0
 
 
 def flush(conn: psycopg.Connection[Any], schema: str, queue_names: Sequence[str]) -> int:
+    """Delete every row of ``queue_names``, in whatever state; the number deleted."""
     return conn.execute(_sql.query("queue_flush", schema), {"queue_names": list(queue_names)}).rowcount
 
 
@@ -185,10 +191,5 @@ def purge_dead(conn: psycopg.Connection[Any], schema: str, *, older_than_ms: int
 
 
 def counts(conn: psycopg.Connection[Any], schema: str) -> list[QueueCounts]:
-    rows = _sql.tuples(conn).execute(_sql.query("queue_stats", schema), {}).fetchall()
-    return [
-        QueueCounts(
-            row[0], int(row[1]), int(row[2]), int(row[3]), int(row[4]), None if row[5] is None else float(row[5])
-        )
-        for row in rows
-    ]
+    """Every queue's numbers (dead ``.XQ`` rows folded into their queue), by queue name."""
+    return conn.cursor(row_factory=class_row(QueueCounts)).execute(_sql.query("queue_stats", schema), {}).fetchall()

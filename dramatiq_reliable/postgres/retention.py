@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 
 from .. import _sql
-from ..errors import ConfigurationError
+from .._checks import check_int, check_ms
 from . import queue
 
 __all__ = ["purge_dead"]
@@ -32,8 +32,8 @@ def purge_dead(
     holds a large transaction open.
     """
     _sql.validate_schema(schema)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigurationError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_int("batch_size", batch_size, minimum=1, fix="e.g. batch_size=5000")
+    check_ms("older_than_ms", older_than_ms, fix="e.g. 7 days, older_than_ms=604800000")
     total = 0
     while True:
         deleted = queue.purge_dead(conn, schema, older_than_ms=older_than_ms, batch_size=batch_size)

@@ -16,4 +16,4 @@ WITH target AS (
     WHERE q.id = t.id AND NOT t.stored
     RETURNING q.id
 )
-SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM kept)
+SELECT (SELECT count(*) FROM deleted) AS deleted, (SELECT count(*) FROM kept) AS kept

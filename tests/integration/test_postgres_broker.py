@@ -3,6 +3,9 @@ expectations (join, flush, declared queues, groups, pipelines, Worker), leases, 
 
 from __future__ import annotations
 
+import inspect
+import itertools
+import logging
 import threading
 import time
 import uuid
@@ -12,21 +15,26 @@ from typing import Any
 import dramatiq
 import psycopg
 import pytest
+from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 
 from dramatiq_reliable import (
     ClassifiedRetries,
+    ConfigurationError,
     DeadLetters,
     Idempotency,
     NotBound,
     PayloadError,
     PostgresBroker,
     PostgresDeadLetterStore,
+    SchemaNotReady,
     bind,
     build_middleware,
     job_connection,
+    schema,
 )
 from dramatiq_reliable.postgres import queue as queue_sql
+from dramatiq_reliable.testing import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -325,7 +333,7 @@ def test_idempotency_commits_the_writes_the_key_and_the_ack_together(
 
         assert broker.middleware.index(next(m for m in broker.middleware if isinstance(m, Idempotency))) < [
             type(m).__name__ for m in broker.middleware
-        ].index("_AckInJobTransaction")
+        ].index("AckInJobTransaction")
         worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=2)
         worker.start()
         try:
@@ -346,7 +354,7 @@ def test_idempotency_commits_the_writes_the_key_and_the_ack_together(
 
 def test_ack_joins_a_bound_transaction_and_rolls_back_with_it(pg_broker: PostgresBroker, qname: str, db: Any) -> None:
     """The settle hook deletes the row on the bound connection: a rollback keeps the message."""
-    from dramatiq_reliable.postgres.broker import _AckInJobTransaction
+    from dramatiq_reliable.postgres.broker import AckInJobTransaction
 
     @dramatiq.actor(queue_name=qname)
     def job() -> None: ...
@@ -355,7 +363,7 @@ def test_ack_joins_a_bound_transaction_and_rolls_back_with_it(pg_broker: Postgre
     consumer = pg_broker.consume(qname, prefetch=1, timeout=100)
     message = next(consumer)
     assert message is not None
-    hook = _AckInJobTransaction()
+    hook = AckInJobTransaction()
     with pg_broker.database.connection() as conn:
         conn.execute("SELECT 1")  # the job's transaction is open, as Idempotency leaves it
         with bind(conn):
@@ -477,5 +485,104 @@ def test_the_cli_replays_dead_letters_onto_postgres_queues(
         )
         assert code == 0
         assert [r[0] for r in rows(db, db_schema, qname)] == [qname]
+    finally:
+        broker.close()
+
+
+def test_join_takes_the_rabbitmq_brokers_arguments_in_the_same_places() -> None:
+    ours = inspect.signature(PostgresBroker.join).parameters
+    theirs = inspect.signature(RabbitmqBroker.join).parameters
+    assert [(p.name, p.kind, p.default) for p in ours.values()] == [
+        (p.name, p.kind, p.default) for p in theirs.values()
+    ]
+
+
+def test_join_returns_after_min_successes_empty_counts_idle_time_apart(
+    pg_broker: PostgresBroker, qname: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @dramatiq.actor(queue_name=qname)
+    def job() -> None: ...
+
+    counted: list[float] = []
+    real_pending = queue_sql.pending
+
+    def pending(conn: psycopg.Connection[Any], schema: str, queue_name: str) -> int:
+        counted.append(time.monotonic())
+        return real_pending(conn, schema, queue_name)
+
+    monkeypatch.setattr(queue_sql, "pending", pending)
+    pg_broker.join(qname, 3, 150, timeout=10_000)  # positionally, as on RabbitmqBroker
+    assert len(counted) == 3
+    assert all(later - earlier >= 0.15 for earlier, later in itertools.pairwise(counted))
+
+    counted.clear()
+    pg_broker.join(qname, min_successes=1)
+    assert len(counted) == 1
+
+    job.send()
+    counted.clear()
+    started = time.monotonic()
+    with pytest.raises(QueueJoinTimeout):
+        pg_broker.join(qname, min_successes=1, idle_time=100, timeout=350)
+    assert time.monotonic() - started >= 0.35
+    with pytest.raises(ConfigurationError, match="min_successes"):
+        pg_broker.join(qname, min_successes=0)
+    with pytest.raises(ConfigurationError, match="idle_time"):
+        pg_broker.join(qname, idle_time=True)
+
+
+def _about_the_schema(caplog: pytest.LogCaptureFixture, schema_name: str) -> list[logging.LogRecord]:
+    """Warnings and worse that name the schema (Dramatiq's consumer errors quote the missing relation)."""
+    return [r for r in caplog.records if r.levelno >= logging.WARNING and schema_name in r.getMessage()]
+
+
+def test_a_worker_on_an_unmigrated_schema_logs_one_error_then_starts_by_itself_once_migrated(
+    database_url: str, unmigrated_schema: str, qname: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    broker = make_broker(database_url, unmigrated_schema)
+    ran: list[int] = []
+    try:
+
+        @dramatiq.actor(queue_name=qname, broker=broker)
+        def job(n: int) -> None:
+            ran.append(n)
+
+        @dramatiq.actor(queue_name=f"{qname}_b", broker=broker)
+        def other() -> None: ...
+
+        worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=2)
+        worker.start()
+        try:
+            # Two consumers asking every 100 ms; the schema checked at start, after 1 s and 2 s later.
+            wait_for(lambda: broker.schema_gate.checks >= 3, timeout_ms=20_000, message="the schema was not re-checked")
+            (error,) = _about_the_schema(caplog, unmigrated_schema)
+            assert error.levelno == logging.ERROR and error.name == "dramatiq_reliable.postgres"
+            assert f"run 'dramatiq-reliable migrate --schema {unmigrated_schema}'" in error.getMessage()
+            assert not [r for r in caplog.records if r.levelno >= logging.CRITICAL]
+
+            schema.migrate(database_url, schema=unmigrated_schema)
+            job.send(7)
+            wait_for(lambda: ran == [7], timeout_ms=10_000, message="the worker did not start once migrated")
+            assert _about_the_schema(caplog, unmigrated_schema) == [error]
+        finally:
+            worker.stop()
+    finally:
+        broker.close()
+
+
+def test_join_flush_and_counts_on_an_unmigrated_schema_name_the_migrate_command(
+    database_url: str, unmigrated_schema: str, qname: str
+) -> None:
+    broker = make_broker(database_url, unmigrated_schema)
+    try:
+        broker.declare_queue(qname)
+        fix = f"dramatiq-reliable migrate --schema {unmigrated_schema}"
+        with pytest.raises(SchemaNotReady, match=fix):
+            broker.join(qname, timeout=1000)
+        with pytest.raises(SchemaNotReady, match=fix):
+            broker.flush_all()
+        with pytest.raises(SchemaNotReady, match=fix):
+            broker.counts()
     finally:
         broker.close()
