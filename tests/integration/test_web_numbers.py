@@ -35,7 +35,7 @@ def client_for() -> Iterator[Any]:
     clients: list[TestClient] = []
 
     def make(app: Any) -> TestClient:
-        client = TestClient(app, client=LOOPBACK)
+        client = TestClient(app, client=LOOPBACK, base_url="http://localhost")
         client.__enter__()
         clients.append(client)
         return client
