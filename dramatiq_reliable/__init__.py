@@ -37,6 +37,7 @@ from .errors import (
     ScheduleDisabled,
     ScheduleNotFound,
     SchemaNotReady,
+    TargetUnknown,
     Unrecoverable,
 )
 from .idempotency import (
@@ -94,6 +95,7 @@ __all__ = [
     "Scheduler",
     "SchemaNotReady",
     "Singleton",
+    "TargetUnknown",
     "Tracing",
     "Unrecoverable",
     "WorkerRelay",

@@ -20,13 +20,24 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import psycopg
+import psycopg.sql
 from dramatiq.message import Message
+from psycopg.rows import dict_row
 
 from . import _sql
 from .database import Database
-from .errors import ConfigurationError
+from .errors import ConfigurationError, TargetUnknown
 
-__all__ = ["SENDS_TO", "Backing", "PostgresBacked", "SendsTo", "backing_of", "postgres_backed"]
+__all__ = [
+    "SENDS_TO",
+    "Backing",
+    "PostgresBacked",
+    "SendsTo",
+    "backing_of",
+    "postgres_backed",
+    "sends_to_of_schema",
+    "target_unknown",
+]
 
 #: Where a Postgres-backed broker's sends go: ``"outbox"`` (rows a relay publishes to RabbitMQ)
 #: or ``"queue"`` (rows of the Postgres queue table, claimed by ``PostgresBroker`` workers).
@@ -76,6 +87,40 @@ def postgres_backed(broker: object) -> PostgresBacked | None:
     if isinstance(broker, PostgresBacked) and broker.sends_to in SENDS_TO:
         return broker
     return None
+
+
+def sends_to_of_schema(conn: psycopg.Connection[Any], schema: str) -> SendsTo | None:
+    """Where the deployment using ``schema`` sends, read from its tables, for code given no broker.
+
+    ``"outbox"`` when only the outbox was ever written to, ``"queue"`` when only the queue
+    table was; ``None`` when it cannot be told: nothing sent yet, both used (a move from one
+    broker to the other), or sequences the role may not read.  Commands that write a message
+    (a replay, a manual schedule run) then ask for ``--to`` instead of guessing: a replay into
+    the outbox of a deployment without a relay would wait there for ever.
+    """
+    from . import schema as _schema
+
+    used: dict[str, bool | None] = {}
+    for table in SENDS_TO:
+        if not _schema.table_exists(conn, schema, table):
+            used[table] = False
+            continue
+        name = psycopg.sql.Identifier(schema, table).as_string(conn)
+        row = conn.cursor(row_factory=dict_row).execute(_sql.query("table_used", schema), {"table": name}).fetchone()
+        used[table] = None if row is None or row["used"] is None else bool(row["used"])
+    if None in used.values():
+        return None
+    found = [table for table in SENDS_TO if used[table]]
+    return found[0] if len(found) == 1 else None
+
+
+def target_unknown(what: str, schema: str, *, outbox: str = "'outbox'", queue: str = "'queue'") -> TargetUnknown:
+    """The error for a write whose target was not given and that :func:`sends_to_of_schema` cannot tell."""
+    return TargetUnknown(
+        f"cannot tell where {what} go in schema {schema!r}: the outbox and the Postgres queue table are both in "
+        f"use, or neither was written to yet; pass {outbox} (OutboxBroker: a relay publishes them) or {queue} "
+        "(PostgresBroker: its workers take them from the queue table)"
+    )
 
 
 def backing_of(

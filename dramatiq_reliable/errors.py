@@ -6,7 +6,8 @@ Every error here says what went wrong and ends with the fix, and every one is a
     dramatiq.DramatiqError
      └── ReliableError                  base of everything below
           ├── ConfigurationError        (also ValueError) a bad argument, at construction or call time
-          │    └── ActorOptionError     (also MiddlewareError) a bad actor option, at decoration time
+          │    ├── ActorOptionError     (also MiddlewareError) a bad actor option, at decoration time
+          │    └── TargetUnknown        the schema cannot tell whether messages go to the outbox or the queue table
           ├── SchemaNotReady            tables missing or behind; run 'dramatiq-reliable migrate'
           ├── PayloadError              (also TypeError) a message send() cannot encode or accept
           ├── NotBound                  send() with no bound transaction under on_unbound="error"
@@ -57,6 +58,7 @@ __all__ = [
     "ScheduleDisabled",
     "ScheduleNotFound",
     "SchemaNotReady",
+    "TargetUnknown",
     "Unrecoverable",
 ]
 
@@ -94,6 +96,12 @@ class ActorOptionError(ConfigurationError, MiddlewareError):
 
 class SchemaNotReady(ReliableError):
     """The tables are missing or older than this version of the package expects."""
+
+    __module__ = _PUBLIC_MODULE
+
+
+class TargetUnknown(ConfigurationError):
+    """Where a message goes (the outbox or the Postgres queue table) was not given and the schema cannot tell."""
 
     __module__ = _PUBLIC_MODULE
 

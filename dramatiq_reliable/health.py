@@ -656,7 +656,7 @@ def _read_postgres(
         used = None
         if outbox_used:
             table = sql.Identifier(schema, "outbox").as_string(conn)
-            found = rows.execute(_sql.query("status_outbox_used", schema), {"table": table}).fetchone()
+            found = rows.execute(_sql.query("table_used", schema), {"table": table}).fetchone()
             used = None if found is None or found["used"] is None else bool(found["used"])
         exists = _schema.table_exists(conn, schema, _DEAD_LETTERS_TABLE)
         if exists:

@@ -364,3 +364,15 @@ def capture_dead_letter(
     stored = DeadLetters().capture(broker, proxy)
     assert stored is not None
     return stored
+
+
+def deployed_as(database_url: str, schema: str, sends_to: str) -> None:
+    """Make ``schema`` look like a deployment that sent through ``sends_to`` ("outbox" or "queue"):
+    its table's id sequence hands out a value, as the first send does, and nothing else changes."""
+    import psycopg
+
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "SELECT nextval(pg_get_serial_sequence(%s, 'id'))",
+            (psycopg.sql.Identifier(schema, sends_to).as_string(conn),),
+        )

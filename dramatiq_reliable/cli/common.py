@@ -15,13 +15,16 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import psycopg
 
 from .. import _sql
 from .._util import first_line, redact
 from ..database import Database
+
+if TYPE_CHECKING:
+    from ..backing import SendsTo
 
 __all__ = [
     "BIGINT_MAX",
@@ -424,6 +427,24 @@ def connect(args: argparse.Namespace, **kwargs: Any) -> Iterator[psycopg.Connect
     url = database_url(args)
     with psycopg.connect(url, **{**_connect_options(url), **kwargs}) as conn:
         yield conn
+
+
+def sends_to(args: argparse.Namespace, what: str) -> SendsTo:
+    """``--to`` when given, else where the schema's deployment sends, read from its tables.
+
+    A replay or a manual run written where no worker reads would wait for ever (an outbox row in
+    a deployment without a relay), so when the tables cannot tell (nothing sent yet, or both the
+    outbox and the queue table in use during a move) this asks for ``--to`` instead of guessing.
+    """
+    if args.to is not None:
+        return cast("SendsTo", args.to)
+    from ..backing import sends_to_of_schema, target_unknown
+
+    with connect(args) as conn:
+        found = sends_to_of_schema(conn, args.schema)
+    if found is None:
+        raise UsageError(str(target_unknown(what, args.schema, outbox="--to outbox", queue="--to queue")))
+    return found
 
 
 @contextlib.contextmanager

@@ -56,6 +56,7 @@ from .common import (
     print_error,
     queue_name,
     rabbitmq_parameters,
+    sends_to,
 )
 
 __all__ = ["NOT_FOUND", "REFUSED", "register"]
@@ -174,8 +175,9 @@ def register(
     replay.add_argument(
         "--to",
         choices=("outbox", "queue"),
-        default="outbox",
-        help="where replays go: the outbox (OutboxBroker, default) or the Postgres queues (PostgresBroker)",
+        default=None,
+        help="where replays go: the outbox (OutboxBroker) or the Postgres queues (PostgresBroker); default: "
+        "read from the schema (the one of the two that was ever written to)",
     )
     replay.set_defaults(handler=_replay)
 
@@ -368,6 +370,7 @@ def _replay(args: argparse.Namespace) -> int:
     target = _target(args, "replay")
     if target is None:
         return ExitCode.USAGE
+    args.to = sends_to(args, "replays")
     ids, where = target.ids or (), target.where
     with _store(args, replay_max_age_ms=args.max_age, replay_to=args.to) as store:
         if not ids:

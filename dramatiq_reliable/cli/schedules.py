@@ -18,10 +18,11 @@ import argparse
 import datetime as dt
 from collections.abc import Sequence
 
-from ..errors import ScheduleDisabled, ScheduleNotFound
+from ..backing import target_unknown
+from ..errors import ScheduleDisabled, ScheduleNotFound, TargetUnknown
 from ..scheduler.admin import ScheduleStatus, list_schedules, pause_schedule, resume_schedule, trigger_schedule
 from . import output
-from .common import ExitCode, open_database, print_error
+from .common import ExitCode, UsageError, open_database, print_error
 
 __all__ = ["register"]
 
@@ -83,8 +84,9 @@ def register(
     trigger.add_argument(
         "--to",
         choices=("outbox", "queue"),
-        default="outbox",
-        help="where the run goes: the outbox (OutboxBroker, default) or the Postgres queues (PostgresBroker)",
+        default=None,
+        help="where the run goes: the outbox (OutboxBroker) or the Postgres queues (PostgresBroker); default: "
+        "read from the schema (the one of the two that was ever written to)",
     )
     trigger.set_defaults(handler=_trigger)
     return parser
@@ -157,6 +159,10 @@ def _trigger(args: argparse.Namespace) -> int:
     with open_database(args, max_size=1) as database:
         try:
             message_id = trigger_schedule(database, args.name, schema=args.schema, target=args.to)
+        except TargetUnknown:
+            raise UsageError(
+                str(target_unknown("manual runs", args.schema, outbox="--to outbox", queue="--to queue"))
+            ) from None
         except ScheduleNotFound as error:
             return _not_found(error)
         except ScheduleDisabled as error:

@@ -24,8 +24,19 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
+
 from ..errors import ConfigurationError
-from .common import Duration, ExitCode, Integer, UsageError, configured_rabbitmq_url, database_url, rabbitmq_url
+from .common import (
+    Duration,
+    ExitCode,
+    Integer,
+    UsageError,
+    configured_rabbitmq_url,
+    database_url,
+    rabbitmq_url,
+    sends_to,
+)
 
 __all__ = ["register"]
 
@@ -89,9 +100,9 @@ def register(
     parser.add_argument(
         "--to",
         choices=("outbox", "queue"),
-        default="outbox",
+        default=None,
         help="where replays and manual schedule runs go: the outbox (OutboxBroker) or the Postgres queues "
-        "(PostgresBroker)",
+        "(PostgresBroker); default: read from the schema (required with --access when the schema cannot tell)",
     )
     parser.add_argument(
         "--skip-rabbitmq",
@@ -139,6 +150,13 @@ def _web(args: argparse.Namespace) -> int:
         except ConfigurationError as error:
             raise UsageError(f"--allowed-host: {error}") from None
     access = _import_hook(args.access) if args.access else None
+    if args.to is None:
+        try:
+            args.to = sends_to(args, "replays and manual runs")
+        except (UsageError, psycopg.Error):
+            if access is not None:
+                raise  # the page may act: it must know where replays and runs go
+            args.to = "outbox"  # read-only: nothing is written (the page says when Postgres is down)
     app = create_app(
         database_url(args),
         schema=args.schema,

@@ -28,7 +28,7 @@ from psycopg.rows import dict_row
 
 from .. import _sql, schema
 from .._checks import check_choice, check_text
-from ..backing import SENDS_TO, SendsTo
+from ..backing import SENDS_TO, SendsTo, sends_to_of_schema, target_unknown
 from ..database import Database, DatabaseLike
 from ..errors import ScheduleDisabled, ScheduleNotFound
 from ..outbox.wake import wake_relays
@@ -157,30 +157,37 @@ def resume_schedule(database: DatabaseLike, name: str, *, schema: str = _sql.DEF
 
 
 def trigger_schedule(
-    database: DatabaseLike, name: str, *, schema: str = _sql.DEFAULT_SCHEMA, target: SendsTo = "outbox"
+    database: DatabaseLike, name: str, *, schema: str = _sql.DEFAULT_SCHEMA, target: SendsTo | None = None
 ) -> str:
-    """Fire one run of ``name`` now, through the outbox, and return its message id.
+    """Fire one run of ``name`` now and return its message id.
 
     ``target`` is where the message goes, as for :class:`Scheduler`: ``"outbox"`` (an
     ``OutboxBroker``'s relay publishes it) or ``"queue"`` (a ``PostgresBroker``'s queue table;
-    an outbox row would never run there, as no relay reads it).  The message row and the tick
+    an outbox row would never run there, as no relay reads it).  ``None`` reads it from the
+    schema (:func:`~dramatiq_reliable.backing.sends_to_of_schema`) and raises
+    :class:`~dramatiq_reliable.TargetUnknown` when the schema cannot tell.  The message row and the tick
     row (reason ``manual``) commit together.  A second trigger in
     the same millisecond returns the first one's message id and writes nothing.  The schedule's
     own ticks are unchanged.  Raises ``ScheduleDisabled`` for a schedule removed from code.
     """
     schema_name = _sql.validate_schema(schema)
     _check_name(name)
-    check_choice("target", target, SENDS_TO, fix="'outbox' for OutboxBroker, 'queue' for PostgresBroker")
+    if target is not None:
+        check_choice("target", target, SENDS_TO, fix="'outbox' for OutboxBroker, 'queue' for PostgresBroker")
     with _connection(database) as conn, conn.transaction():
         _check(conn, schema_name)
-        if target == "queue":
-            _check_queue(conn, schema_name)
         row = _get(conn, schema_name, name)
         if not row["enabled"]:
             raise ScheduleDisabled(
                 f"schedule {name!r} is disabled (it is no longer declared in code), so it cannot be triggered; "
                 "declare it again with schedule(...) and restart, or send its actor directly"
             )
+        if target is None:
+            target = sends_to_of_schema(conn, schema_name)
+            if target is None:
+                raise target_unknown("manual runs", schema_name, outbox="target='outbox'", queue="target='queue'")
+        if target == "queue":
+            _check_queue(conn, schema_name)
         item = Schedule.from_row(row)
         now: dt.datetime = row["now"]
         fire_at = now.astimezone(UTC).replace(microsecond=now.microsecond // 1000 * 1000)

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
-from support import capture_dead_letter
+from support import capture_dead_letter, deployed_as
 
 from dramatiq_reliable import OutboxBroker
 from dramatiq_reliable.cli import ExitCode, main
@@ -44,6 +44,7 @@ def _capture(
 @pytest.fixture
 def run(database_url: str, db_schema: str, capsys: pytest.CaptureFixture[str]) -> Any:
     """Run the command on the test's schema; return (exit code, stdout, stderr)."""
+    deployed_as(database_url, db_schema, "outbox")  # an OutboxBroker deployment: replays and runs go there
 
     def run(*argv: str) -> tuple[int, str, str]:
         code = main([*argv, "--database-url", database_url, "--schema", db_schema])
@@ -244,6 +245,7 @@ def test_a_missing_schema_and_an_unreachable_database_have_their_own_exit_codes(
 
 def test_the_module_runs_as_a_command_with_the_same_exit_codes(broker, database_url, db_schema):
     _capture(broker)
+    deployed_as(database_url, db_schema, "outbox")
     base = [sys.executable, "-m", "dramatiq_reliable"]
     common = ["--database-url", database_url, "--schema", db_schema]
     listing = subprocess.run(

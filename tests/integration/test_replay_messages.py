@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from psycopg import sql
-from support import capture_dead_letter
+from support import capture_dead_letter, deployed_as
 
 from dramatiq_reliable import PostgresBroker
 from dramatiq_reliable.cli import ExitCode, main
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def replay(database_url: str, db_schema: str, capsys: pytest.CaptureFixture[str]) -> Any:
     """``replay(*args)``: ``dead-letters replay`` on the test's schema; (exit code, stdout, stderr)."""
+    deployed_as(database_url, db_schema, "outbox")  # an OutboxBroker deployment: replays and runs go there
 
     def invoke(*args: str) -> tuple[int, str, str]:
         code = main(["dead-letters", "replay", "--database-url", database_url, "--schema", db_schema, *args])
@@ -81,3 +82,48 @@ def test_the_confirmation_of_a_bulk_replay_names_the_way_it_takes(replay, pg_bro
     code, _out, err = replay("--all", "--to", to)
     assert code == ExitCode.ABORTED
     assert f"replay 1 dead letter(s) (all) {path}? [y/N]" in err
+
+
+@pytest.fixture
+def bare_replay(database_url: str, db_schema: str, capsys: pytest.CaptureFixture[str]) -> Any:
+    """``dead-letters replay`` on the test's schema, which no deployment has sent through yet."""
+
+    def invoke(*args: str) -> tuple[int, str, str]:
+        code = main(["dead-letters", "replay", "--database-url", database_url, "--schema", db_schema, *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return invoke
+
+
+def _outbox_rows(db: Any, schema: str) -> int:
+    query = sql.SQL("SELECT count(*) FROM {}.outbox").format(sql.Identifier(schema))
+    return int(db.execute(query).fetchone()[0])
+
+
+def test_a_replay_without_to_goes_where_the_deployment_sends(
+    bare_replay: Any, pg_broker: Any, database_url: str, db_schema: str, db: Any
+) -> None:
+    """A PostgresBroker deployment's replay goes into its queue table without --to: once it went
+    into the outbox by default, where no relay would ever publish it."""
+    letter = capture_dead_letter(pg_broker, queue_name="mail")
+    deployed_as(database_url, db_schema, "queue")
+    code, out, err = bare_replay(str(letter.id))
+    assert (code, err) == (0, "")
+    assert "to their Postgres queues" in out
+    assert _outbox_rows(db, db_schema) == 0
+
+
+def test_a_replay_refuses_to_guess_when_the_schema_cannot_tell(
+    bare_replay: Any, pg_broker: Any, database_url: str, db_schema: str, db: Any
+) -> None:
+    letter = capture_dead_letter(pg_broker, queue_name="mail")
+    code, out, err = bare_replay(str(letter.id))  # nothing sent through either table yet
+    assert (code, out) == (2, "")
+    assert "cannot tell where replays go" in err and "--to outbox" in err and "--to queue" in err
+    deployed_as(database_url, db_schema, "queue")
+    deployed_as(database_url, db_schema, "outbox")  # both: a move from one broker to the other
+    code, out, err = bare_replay(str(letter.id))
+    assert code == 2 and "both in use" in err
+    code, out, err = bare_replay(str(letter.id), "--to", "outbox")
+    assert code == 0 and _outbox_rows(db, db_schema) == 1

@@ -103,7 +103,7 @@ def test_resume_recomputes_next_run_from_now_and_skips_the_paused_ticks(loop, da
 
 
 def test_trigger_writes_exactly_one_outbox_row_and_one_manual_tick(loop, database, db, db_schema):
-    message_id = trigger_schedule(database, "nightly", schema=db_schema)
+    message_id = trigger_schedule(database, "nightly", schema=db_schema, target="outbox")
     assert _count(db, db_schema, "outbox") == 1
     assert _count(db, db_schema, "outbox", "message_id = %s", (message_id,)) == 1
     ticks = db.execute(
@@ -123,9 +123,9 @@ def test_trigger_writes_exactly_one_outbox_row_and_one_manual_tick(loop, databas
 
 
 def test_two_deliberate_triggers_are_two_runs(loop, database, db, db_schema):
-    first = trigger_schedule(database, "nightly", schema=db_schema)
+    first = trigger_schedule(database, "nightly", schema=db_schema, target="outbox")
     db.execute("SELECT pg_sleep(0.002)")  # the next trigger falls in another millisecond
-    second = trigger_schedule(database, "nightly", schema=db_schema)
+    second = trigger_schedule(database, "nightly", schema=db_schema, target="outbox")
     assert first != second
     assert _count(db, db_schema, "outbox") == 2
     assert _count(db, db_schema, "schedule_ticks", "reason = 'manual'") == 2
@@ -133,7 +133,7 @@ def test_two_deliberate_triggers_are_two_runs(loop, database, db, db_schema):
 
 def test_a_paused_schedule_may_be_triggered(loop, database, db, db_schema):
     pause_schedule(database, "nightly", schema=db_schema)
-    trigger_schedule(database, "nightly", schema=db_schema)
+    trigger_schedule(database, "nightly", schema=db_schema, target="outbox")
     assert _count(db, db_schema, "outbox") == 1
     assert list_schedules(database, schema=db_schema, name="nightly")[0].paused
 
@@ -143,7 +143,7 @@ def test_a_disabled_schedule_is_not_triggered(loop, database, db, db_schema):
         sql.SQL("UPDATE {} SET enabled = false WHERE name = 'nightly'").format(sql.Identifier(db_schema, "schedules"))
     )
     with pytest.raises(ScheduleDisabled, match=r"'nightly' is disabled.*declare it again"):
-        trigger_schedule(database, "nightly", schema=db_schema)
+        trigger_schedule(database, "nightly", schema=db_schema, target="outbox")
     assert _count(db, db_schema, "outbox") == 0 and _count(db, db_schema, "schedule_ticks") == 0
 
 
@@ -176,7 +176,7 @@ def test_a_trigger_in_a_millisecond_that_has_a_tick_returns_that_run_and_writes_
             "interval '1 millisecond') AS ms"
         ).format(sql.Identifier(db_schema, "schedule_ticks"))
     )
-    assert trigger_schedule(database, "nightly", schema=db_schema) == "first-click"
+    assert trigger_schedule(database, "nightly", schema=db_schema, target="outbox") == "first-click"
     assert _count(db, db_schema, "outbox") == 0
 
 
@@ -225,3 +225,22 @@ def test_a_name_no_schedule_can_have_is_refused_with_our_error_not_the_drivers(
 def test_a_name_ending_in_a_newline_is_simply_not_found(loop, database, db_schema):
     with pytest.raises(ScheduleNotFound, match=r"no schedule named 'nightly\\n'"):
         pause_schedule(database, "nightly\n", schema=db_schema)
+
+
+def test_trigger_without_a_target_goes_where_the_schema_sends_or_refuses_to_guess(
+    loop, database, database_url, db, db_schema
+):
+    """A manual run on a PostgresBroker deployment goes into its queue table; once, with the
+    library's default target, it went into the outbox, where no relay would publish it."""
+    from support import deployed_as
+
+    from dramatiq_reliable import TargetUnknown
+
+    with pytest.raises(TargetUnknown, match="cannot tell where manual runs go.*target='outbox'"):
+        trigger_schedule(database, "nightly", schema=db_schema)  # nothing sent yet: no guess
+    with pytest.raises(ScheduleNotFound):
+        trigger_schedule(database, "nope", schema=db_schema)  # an unknown name is said first
+    deployed_as(database_url, db_schema, "queue")
+    message_id = trigger_schedule(database, "nightly", schema=db_schema)
+    assert _count(db, db_schema, "queue", "message_id = %s", (message_id,)) == 1
+    assert _count(db, db_schema, "outbox") == 0

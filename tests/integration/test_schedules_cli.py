@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from psycopg import sql
+from support import deployed_as
 
 from dramatiq_reliable.cli import ExitCode, main
 from dramatiq_reliable.scheduler import Registry, Scheduler, schedule
@@ -19,6 +20,7 @@ UTC = dt.timezone.utc
 @pytest.fixture
 def run(database_url: str, db_schema: str, capsys: pytest.CaptureFixture[str]) -> Any:
     """Run a command on the test's schema in-process; return (exit code, stdout, stderr)."""
+    deployed_as(database_url, db_schema, "outbox")  # an OutboxBroker deployment: replays and runs go there
 
     def invoke(*argv: str) -> tuple[int, str, str]:
         code = main([*argv, "--database-url", database_url, "--schema", db_schema])
