@@ -133,3 +133,16 @@ def test_the_snippet_urls_are_replaced_with_the_tests_own():
         code, {"postgresql://app@localhost/app": "dbname=docs_1", "amqp://guest:guest@localhost:5672": "amqp://t/v"}
     )
     assert replaced == 'OutboxBroker(url="amqp://t/v", database="dbname=docs_1")'
+
+
+def test_the_install_page_lists_every_extra_of_pyproject():
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pytest brings tomli
+        import tomli as tomllib
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    page = (DOCS / "install.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `([\w-]+)` \|", page, flags=re.MULTILINE))
+    missing, unknown = sorted(set(extras) - listed), sorted(listed - set(extras))
+    assert not missing, f"docs/install.md's table of extras lacks {missing}: add a row '| `name` | what for |'"
+    assert not unknown, f"docs/install.md lists extras that pyproject.toml does not define: {unknown}"
