@@ -21,13 +21,14 @@ import embedded_postgres  # (first: an embedded Postgres if DATABASE_URL is unse
 import pika
 import psycopg
 import pytest
+import support
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from support import Otel, QueueJanitor, Rabbit, new_queue_name, status_server
+from support import TEST_QUEUE, Otel, QueueJanitor, Rabbit, new_queue_name, status_server
 
 from dramatiq_reliable import OutboxBroker, events, schema
 from dramatiq_reliable._util import rabbitmq_reason, redact
@@ -151,8 +152,52 @@ def _unavailable(service: _Service) -> None:
     pytest.skip(_SKIP_PREFIX + service.message)
 
 
+#: The queues this session's tests left behind (found at the session's end), and how they were found.
+_LEFT_BEHIND: list[str] = []
+_LEFT_BEHIND_HOW: list[str] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """No test may leave a queue behind: each test's queues are deleted after it (the ``queues``
+    fixture), so any of them still there at the end was declared where the janitor did not see it
+    (a subprocess, say).  They are deleted now; with CI=true the session fails, naming each queue
+    and the test it came from."""
+    if not support.ISSUED or not SERVICES["rabbitmq_url"].check():
+        return
+    left, how = support.left_behind(RABBITMQ_URL, support.ISSUED, support.DECLARED)
+    if not left:
+        return
+    _LEFT_BEHIND.extend(left)
+    _LEFT_BEHIND_HOW.append(how)
+    rabbit = Rabbit(RABBITMQ_URL)
+    try:
+        rabbit.delete(*left)
+    finally:
+        rabbit.close()
+    if IN_CI:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _test_of(queue: str) -> str:
+    base = TEST_QUEUE.match(queue)
+    return support.ISSUED.get(base.group(), "?") if base is not None else "?"
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """One line per missing service, naming it, the URL tried (password masked) and why."""
+    """One line per missing service, naming it, the URL tried (password masked) and why; and one
+    line naming the queues tests left behind, if any."""
+    if _LEFT_BEHIND:
+        origins = ", ".join(f"{name} (from {_test_of(name)})" for name in _LEFT_BEHIND)
+        terminalreporter.write_line(
+            f"{len(_LEFT_BEHIND)} queue{'s' if len(_LEFT_BEHIND) != 1 else ''} left behind by tests in vhost "
+            f"{support.vhost_of(RABBITMQ_URL)!r} (found with {_LEFT_BEHIND_HOW[0]}), deleted now: {origins}; "
+            "a test must delete every queue it declares: register names a subprocess declares with the "
+            "queues fixture (queues.add(name))" + ("; CI=true, so the run fails" if IN_CI else ""),
+            red=IN_CI,
+            yellow=not IN_CI,
+            bold=True,
+        )
     if embedded_postgres.embedded_url is not None:
         terminalreporter.write_line(
             f"DATABASE_URL is not set: the tests ran on an embedded Postgres at {embedded_postgres.embedded_url}"

@@ -2,7 +2,9 @@
 
 A missing service is said once, plainly (one line: the service, the URL with its password masked,
 the reason), and its tests fail without each retrying it under ``CI=true``, or are skipped on a
-laptop.  Needs Postgres (the selection's other tests use it); RabbitMQ is pointed at a closed port.
+laptop (RabbitMQ pointed at a closed port; Postgres real, for the selection's other tests).  A
+queue a test leaves behind fails the session under ``CI=true``, named with the test it came from,
+and is deleted.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import subprocess
 import sys
 
 from docs_snippets import ROOT
-from support import closed_port
+from support import closed_port, vhost_of
 
 SECRET = "Secret123"
 #: Six tests that need RabbitMQ, and seven that need nothing.
@@ -65,3 +67,39 @@ def test_without_ci_a_missing_rabbitmq_skips_its_tests_with_one_line(database_ur
     ], output
     assert re.fullmatch(r"7 passed, 6 skipped in [\d.]+s", lines[-1]), output
     assert SECRET not in output and "pika" not in output, output
+
+
+_LEAKING_TEST = """
+import os
+import pika
+
+
+def test_declares_a_queue_the_janitor_never_hears_of(queue_name, rabbitmq_url):
+    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
+    connection.channel().queue_declare(f"{queue_name}_leak")
+    connection.close()
+    with open(os.environ["LEAK_FILE"], "w") as file:
+        file.write(f"{queue_name}_leak")
+"""
+
+
+def test_with_ci_a_queue_left_behind_fails_the_session_and_is_deleted(
+    tmp_path, queues, rabbit, database_url, rabbitmq_url
+):
+    (tmp_path / "test_leak.py").write_text(_LEAKING_TEST)
+    leak_file = tmp_path / "leaked"
+    # The suite's conftest as a plugin, for a test file outside the suite.
+    result = _pytest(
+        "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), "-p", "conftest", str(tmp_path / "test_leak.py"),
+        CI="true", DATABASE_URL=database_url, RABBITMQ_URL=rabbitmq_url, LEAK_FILE=str(leak_file),
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    leaked = leak_file.read_text()
+    queues.add(leaked)  # deleted after this test whatever happened
+    assert result.returncode == 1, output
+    [line] = [line for line in result.stdout.splitlines() if "left behind" in line]
+    assert line.startswith(f"1 queue left behind by tests in vhost {vhost_of(rabbitmq_url)!r} (found with "), line
+    assert f"deleted now: {leaked} (from " in line and "test_declares_a_queue_the_janitor_never_hears_of" in line
+    assert line.endswith("CI=true, so the run fails"), line
+    assert re.search(r"1 passed in", result.stdout), output
+    assert not rabbit.exists(leaked)
