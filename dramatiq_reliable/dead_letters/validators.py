@@ -13,6 +13,8 @@ from typing import Any
 from ..errors import ConfigurationError
 from .records import _EPOCH, _MAX_NAME_CHARS, _US, DeadLetterFilter
 
+__all__ = []
+
 
 @functools.lru_cache(maxsize=1)
 def _who() -> str:

@@ -14,6 +14,8 @@ from psycopg_pool import ConnectionPool
 from ..errors import NoCurrentJob
 from .keys import derive_external_key
 
+__all__ = ["Job", "Mode", "current_job", "external_key", "job_connection"]
+
 Mode = Literal["transactional", "record", "off"]
 MODES: tuple[Mode, ...] = ("transactional", "record", "off")
 

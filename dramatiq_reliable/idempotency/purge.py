@@ -19,6 +19,8 @@ from ._connections import autocommit
 from .events import IdempotencyKeysPurged
 from .middleware import Idempotency
 
+__all__ = ["make_purge_actor", "purge_expired"]
+
 # -- retention ----------------------------------------------------------------------------------
 
 

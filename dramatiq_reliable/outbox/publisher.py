@@ -42,7 +42,7 @@ from dramatiq.errors import BrokerConnectionError
 from .._util import rabbitmq_error, rabbitmq_reason
 from ..errors import BrokerUnavailable
 
-__all__ = ["Publication", "PublishOutcome", "Publisher", "bounded"]
+__all__ = []
 
 logger = logging.getLogger("dramatiq_reliable.outbox.publisher")
 

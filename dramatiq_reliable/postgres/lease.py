@@ -25,7 +25,7 @@ from psycopg_pool import PoolTimeout
 from ..database import Database
 from . import queue
 
-__all__ = ["Leases"]
+__all__ = []
 
 logger = logging.getLogger("dramatiq_reliable.postgres")
 

@@ -17,22 +17,7 @@ import psycopg
 from .. import _sql
 from ..database import Database
 
-__all__ = [
-    "ClaimedRow",
-    "QueueCounts",
-    "ack",
-    "claim",
-    "counts",
-    "flush",
-    "heartbeat",
-    "insert",
-    "nack",
-    "pending",
-    "pooled",
-    "purge_dead",
-    "release",
-    "retry_in_place",
-]
+__all__ = ["QueueCounts"]
 
 Held = Sequence[tuple[int, int]]
 
