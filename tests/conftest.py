@@ -147,6 +147,7 @@ def _missing_service_of(nodeid: str) -> _Service | None:
 
 def _unavailable(service: _Service) -> None:
     """A test asked for the service's fixture without being collected as needing it (getfixturevalue)."""
+    service.needed_by.add(os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0])
     if IN_CI:
         pytest.fail(f"{service.message}; CI=true, so this is a failure, not a skip", pytrace=False)
     pytest.skip(_SKIP_PREFIX + service.message)

@@ -116,7 +116,10 @@ def python_blocks(page: Path) -> list[Block]:
 
 
 def substitute(code: str, replacements: Mapping[str, str]) -> str:
-    """``code`` with every URL the docs write replaced by the one the test runs against."""
+    """``code`` with every URL the docs write replaced by the one the test runs against; in a string
+    literal, by a literal of it (a password may hold a quote)."""
     for written, actual in replacements.items():
+        for quote in ('"', "'"):
+            code = code.replace(f"{quote}{written}{quote}", repr(actual))
         code = code.replace(written, actual)
     return code

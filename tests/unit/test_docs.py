@@ -132,7 +132,11 @@ def test_the_snippet_urls_are_replaced_with_the_tests_own():
     replaced = docs_snippets.substitute(
         code, {"postgresql://app@localhost/app": "dbname=docs_1", "amqp://guest:guest@localhost:5672": "amqp://t/v"}
     )
-    assert replaced == 'OutboxBroker(url="amqp://t/v", database="dbname=docs_1")'
+    assert replaced == "OutboxBroker(url='amqp://t/v', database='dbname=docs_1')"
+    quoted = docs_snippets.substitute(
+        "connect('postgresql://app@localhost/app')", {"postgresql://app@localhost/app": "a'b"}
+    )
+    assert quoted == 'connect("a\'b")'
 
 
 def test_the_install_page_lists_every_extra_of_pyproject():
