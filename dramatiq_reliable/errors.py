@@ -43,6 +43,7 @@ from dramatiq.middleware import MiddlewareError, SkipMessage
 __all__ = [
     "ActorOptionError",
     "BrokerUnavailable",
+    "CheckpointError",
     "CommitOutcomeUnknown",
     "ConfigurationError",
     "DatabaseUnavailable",

@@ -90,7 +90,6 @@ __all__ = [
     "Thresholds",
     "check_health",
     "collect_health",
-    "is_queue_name",
 ]
 
 logger = logging.getLogger("dramatiq_reliable.health")

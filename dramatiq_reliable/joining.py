@@ -19,7 +19,8 @@ from dramatiq.errors import QueueJoinTimeout
 
 from ._checks import check_int, check_ms
 
-__all__ = ["join_until_empty"]
+# Internal: the names below are used by other parts of the package, not by applications.
+__all__: list[str] = []
 
 
 def join_until_empty(

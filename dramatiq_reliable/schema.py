@@ -37,7 +37,6 @@ __all__ = [
     "current_version",
     "ensure_ready",
     "migrate",
-    "migrate_command",
     "migration_sql",
     "migrations",
 ]

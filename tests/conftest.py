@@ -1,11 +1,16 @@
 """Fixtures: a fresh Postgres schema and fresh RabbitMQ queue names for every test.
 
-Services come from ``DATABASE_URL`` and ``RABBITMQ_URL`` (default: the local servers).  A
-missing service skips the tests that need it on a laptop, and fails the run when ``CI=true``.
+Services come from ``DATABASE_URL`` and ``RABBITMQ_URL`` (default: the local servers).  Each is
+probed once, at collection, if a collected test needs it.  A missing service skips the tests that
+need it on a laptop; with ``CI=true`` they fail without running.  Either way the run ends with
+one line naming the service, the URL (password masked) and the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,80 +21,223 @@ import embedded_postgres  # (first: an embedded Postgres if DATABASE_URL is unse
 import pika
 import psycopg
 import pytest
+import support
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from support import Otel, QueueJanitor, Rabbit, new_queue_name, status_server
+from support import TEST_QUEUE, Otel, QueueJanitor, Rabbit, new_queue_name, status_server
 
 from dramatiq_reliable import OutboxBroker, events, schema
-from dramatiq_reliable._util import redact
+from dramatiq_reliable._util import rabbitmq_reason, redact
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-# Services found unreachable this session: name -> (environment variable, URL tried).
-_MISSING: dict[str, tuple[str, str]] = {}
+@dataclasses.dataclass
+class _Service:
+    """A server the tests need, probed once a session (at collection, for the tests that need it)."""
+
+    name: str  #: "Postgres"
+    variable: str  #: the environment variable that points the tests at it
+    url: str
+    probe: Callable[[str], None]  #: connects once and disconnects; raises when it cannot
+    explain: Callable[[BaseException], str]  #: the probe's error in plain words
+    reason: str | None = None  #: why it is unreachable (None: reachable or not probed yet)
+    probed: bool = False
+    needed_by: set[str] = dataclasses.field(default_factory=set)  #: node ids of the tests that need it
+
+    def check(self) -> bool:
+        """Probe the server once a session; True when it answered."""
+        if not self.probed:
+            self.probed = True
+            try:
+                with _quiet("pika"):
+                    self.probe(self.url)
+            except Exception as error:
+                self.reason = self.explain(error)
+        return self.reason is None
+
+    @property
+    def message(self) -> str:
+        return redact(f"{self.name} is not reachable at {self.url} ({self.reason})")
+
+
+def _probe_postgres(url: str) -> None:
+    with psycopg.connect(url, connect_timeout=5) as conn:
+        conn.execute("SELECT 1")
+
+
+def _probe_rabbitmq(url: str) -> None:
+    parameters = pika.URLParameters(url)
+    parameters.connection_attempts = 1  # once: a retry would only repeat the reason
+    parameters.socket_timeout = 5
+    pika.BlockingConnection(parameters).close()
+
+
+def _postgres_reason(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """A probe's failure is reported once by us: the client's own error logs would repeat it."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+#: The services, by the fixture that gives their URL to a test.
+SERVICES = {
+    "database_url": _Service("Postgres", "DATABASE_URL", DATABASE_URL, _probe_postgres, _postgres_reason),
+    "rabbitmq_url": _Service("RabbitMQ", "RABBITMQ_URL", RABBITMQ_URL, _probe_rabbitmq, rabbitmq_reason),
+}
 _SKIP_PREFIX = "service unreachable: "
-
-
-def _unavailable(service: str, variable: str, url: str, error: BaseException) -> None:
-    _MISSING[service] = (variable, url)
-    message = redact(f"{service} is not reachable at {url} ({type(error).__name__}: {error})".replace("\n", " "))
-    if IN_CI:
-        pytest.fail(f"{message}; CI=true, so this is a failure, not a skip", pytrace=False)
-    pytest.skip(_SKIP_PREFIX + message)
+#: The pytest status of a test whose service is missing under CI=true: counted, not detailed.
+_MISSING_STATUS = "errors (service missing)"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test by its folder, so ``-m unit`` runs the tests that need no service."""
+    """Mark each test by its folder, so ``-m unit`` runs the tests that need no service; and probe
+    each service the collected tests need, once: a test whose service is missing is skipped, or
+    with ``CI=true`` fails without running, and the run ends with one line per missing service."""
     for item in items:
         parts = item.path.parts
         for kind in ("unit", "integration", "acceptance", "browser"):
             if kind in parts:
                 item.add_marker(getattr(pytest.mark, kind))
+    for item in items:
+        for fixture, service in SERVICES.items():
+            if fixture in getattr(item, "fixturenames", ()) and not service.check():
+                service.needed_by.add(item.nodeid)
+                if not IN_CI:
+                    item.add_marker(pytest.mark.skip(reason=_SKIP_PREFIX + service.message))
+                break
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """With CI=true a test whose service is missing fails at once: no fixture tries to connect again."""
+    if IN_CI:
+        for service in SERVICES.values():
+            if service.reason is not None and item.nodeid in service.needed_by:
+                pytest.fail(service.message, pytrace=False)
+
+
+def pytest_report_teststatus(report: pytest.TestReport) -> tuple[str, str, str] | None:
+    """Such a failure is counted apart, without a section of its own per test: the run's summary names
+    the service once (``pytest_terminal_summary``)."""
+    if report.when == "setup" and report.failed and _missing_service_of(report.nodeid) is not None:
+        return _MISSING_STATUS, "M", "SERVICE MISSING"
+    return None
+
+
+def _missing_service_of(nodeid: str) -> _Service | None:
+    return next((s for s in SERVICES.values() if s.reason is not None and nodeid in s.needed_by), None)
+
+
+def _unavailable(service: _Service) -> None:
+    """A test asked for the service's fixture without being collected as needing it (getfixturevalue)."""
+    service.needed_by.add(os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0])
+    if IN_CI:
+        pytest.fail(f"{service.message}; CI=true, so this is a failure, not a skip", pytrace=False)
+    pytest.skip(_SKIP_PREFIX + service.message)
+
+
+#: The queues this session's tests left behind (found at the session's end), and how they were found.
+_LEFT_BEHIND: list[str] = []
+_LEFT_BEHIND_HOW: list[str] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """No test may leave a queue behind: each test's queues are deleted after it (the ``queues``
+    fixture), so any of them still there at the end was declared where the janitor did not see it
+    (a subprocess, say).  They are deleted now; with CI=true the session fails, naming each queue
+    and the test it came from."""
+    if not support.ISSUED or not SERVICES["rabbitmq_url"].check():
+        return
+    left, how = support.left_behind(RABBITMQ_URL, support.ISSUED, support.DECLARED)
+    if not left:
+        return
+    _LEFT_BEHIND.extend(left)
+    _LEFT_BEHIND_HOW.append(how)
+    rabbit = Rabbit(RABBITMQ_URL)
+    try:
+        rabbit.delete(*left)
+    finally:
+        rabbit.close()
+    if IN_CI:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _test_of(queue: str) -> str:
+    base = TEST_QUEUE.match(queue)
+    return support.ISSUED.get(base.group(), "?") if base is not None else "?"
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """One line naming the services that were missing and how to point the tests at them."""
+    """One line per missing service, naming it, the URL tried (password masked) and why; and one
+    line naming the queues tests left behind, if any."""
+    if _LEFT_BEHIND:
+        origins = ", ".join(f"{name} (from {_test_of(name)})" for name in _LEFT_BEHIND)
+        terminalreporter.write_line(
+            f"{len(_LEFT_BEHIND)} queue{'s' if len(_LEFT_BEHIND) != 1 else ''} left behind by tests in vhost "
+            f"{support.vhost_of(RABBITMQ_URL)!r} (found with {_LEFT_BEHIND_HOW[0]}), deleted now: {origins}; "
+            "a test must delete every queue it declares: register names a subprocess declares with the "
+            "queues fixture (queues.add(name))" + ("; CI=true, so the run fails" if IN_CI else ""),
+            red=IN_CI,
+            yellow=not IN_CI,
+            bold=True,
+        )
     if embedded_postgres.embedded_url is not None:
         terminalreporter.write_line(
             f"DATABASE_URL is not set: the tests ran on an embedded Postgres at {embedded_postgres.embedded_url}"
         )
-    if not _MISSING:
-        return
-    skipped = [r for r in terminalreporter.stats.get("skipped", []) if _SKIP_PREFIX in str(r.longrepr)]
-    names = " and ".join(_MISSING)
-    how = " ".join(f"{variable}={redact(url)!r}" for variable, url in _MISSING.values())
-    terminalreporter.write_line(
-        f"{len(skipped)} tests skipped: {names} not reachable (tried {how}); start them or point the "
-        "tests at them with DATABASE_URL=postgresql://... RABBITMQ_URL=amqp://... (CI=true fails instead)",
-        yellow=True,
-        bold=True,
-    )
+    for service in SERVICES.values():
+        if service.reason is None or not service.needed_by:
+            continue
+        count = len(service.needed_by)
+        tests = f"{count} test{'s' if count != 1 else ''}"
+        if IN_CI:
+            terminalreporter.write_line(
+                f"{service.message}: CI=true, so the {tests} that need it failed without running; start it, "
+                f"or point {service.variable} at it",
+                red=True,
+                bold=True,
+            )
+        else:
+            terminalreporter.write_line(
+                f"{tests} skipped: {service.message}; start it, or point the tests at it with "
+                f"{service.variable}=... (CI=true fails instead)",
+                yellow=True,
+                bold=True,
+            )
 
 
 @pytest.fixture(scope="session")
 def database_url() -> str:
-    try:
-        with psycopg.connect(DATABASE_URL, connect_timeout=5) as conn:
-            conn.execute("SELECT 1")
-    except psycopg.OperationalError as error:
-        _unavailable("Postgres", "DATABASE_URL", DATABASE_URL, error)
-    return DATABASE_URL
+    service = SERVICES["database_url"]
+    if not service.check():
+        _unavailable(service)
+    return service.url
 
 
 @pytest.fixture(scope="session")
 def rabbitmq_url() -> str:
-    try:
-        pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL)).close()
-    except pika.exceptions.AMQPError as error:
-        _unavailable("RabbitMQ", "RABBITMQ_URL", RABBITMQ_URL, error)
-    return RABBITMQ_URL
+    service = SERVICES["rabbitmq_url"]
+    if not service.check():
+        _unavailable(service)
+    return service.url
 
 
 @pytest.fixture

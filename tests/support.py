@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import re
+import shutil
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -180,7 +183,7 @@ class Rabbit:
         if expect is None and self.count(queue) == 0:
             return []  # also keeps consume() away from a queue that does not exist
         bodies: list[dict[str, Any]] = []
-        last = None
+        last = acked = None
         deadline = time.monotonic() + 60
         self.channel.basic_qos(prefetch_count=1000)
         for method, _props, body in self.channel.consume(queue, inactivity_timeout=idle_s):
@@ -193,17 +196,24 @@ class Rabbit:
             last = method.delivery_tag
             if len(bodies) % 500 == 0:
                 self.channel.basic_ack(last, multiple=True)
-        self.channel.cancel()
-        if last is not None:
+                acked = last
+        # Each tag is acked once, before cancel() (which requeues what is unacked): acking a tag
+        # twice closes the channel (406 unknown delivery tag) under the next call, and a delete
+        # that then failed unnoticed left the worker-relay test's queue behind on every run.
+        if last is not None and last != acked:
             self.channel.basic_ack(last, multiple=True)
+        self.channel.cancel()
         return bodies
 
     def delete(self, *queues: str) -> None:
+        """Delete each queue; one that does not exist is no error, any other refusal is raised."""
         for queue in queues:
             try:
                 self.channel.queue_delete(queue)
-            except pika.exceptions.ChannelClosedByBroker:
+            except pika.exceptions.ChannelClosedByBroker as error:
                 self.channel = self.connection.channel()
+                if error.reply_code != 404:
+                    raise
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -212,10 +222,68 @@ class Rabbit:
 
 TEST_QUEUE = re.compile(r"q_[0-9a-f]{12}")
 
+#: Every queue name handed out this session -> the test it was handed to.
+ISSUED: dict[str, str] = {}
+#: Every queue a test of this session declared through Dramatiq or registered with the janitor.
+DECLARED: set[str] = set()
+
 
 def new_queue_name() -> str:
     """A queue name of the test's own (``q_`` and 12 hex digits); names derived from it stay its own."""
-    return f"q_{uuid.uuid4().hex[:12]}"
+    name = f"q_{uuid.uuid4().hex[:12]}"
+    ISSUED[name] = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+    return name
+
+
+def vhost_of(url: str) -> str:
+    """The virtual host an AMQP URL names (``/`` for ``%2F`` or none)."""
+    return str(pika.URLParameters(url).virtual_host)
+
+
+def list_queues(url: str) -> list[str] | None:
+    """Every queue of the URL's vhost, from ``rabbitmqctl``; None where it cannot tell (no
+    rabbitmqctl here, no right to run it, or a server that is not this machine's)."""
+    host = urlsplit(url).hostname or "127.0.0.1"
+    if host not in ("127.0.0.1", "localhost", "::1") or shutil.which("rabbitmqctl") is None:
+        return None
+    try:
+        result = subprocess.run(
+            ["rabbitmqctl", "-q", "list_queues", "-p", vhost_of(url), "name", "--no-table-headers"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if result.returncode != 0:
+        return None
+    return [line.strip() for line in result.stdout.splitlines() if line.strip()]
+
+
+def left_behind(url: str, issued: dict[str, str], declared: set[str]) -> tuple[list[str], str]:
+    """The queues of this session's tests that still exist, and how that was found out.
+
+    A queue is the session's when its name starts with a name ``new_queue_name()`` handed out
+    (``issued``), so names derived in subprocesses count (``f"{queue_name}_w"``).  With
+    ``rabbitmqctl`` every queue of the vhost is seen; without it only the names the session knows
+    (``declared``, and each issued name with its ``.DQ``/``.XQ``) are asked about, passively.
+    """
+    listed = list_queues(url)
+    how = "rabbitmqctl list_queues"
+    if listed is None:
+        how = "a passive declare of each name the tests declared (no rabbitmqctl for this server)"
+        known = declared | {n for name in issued for n in (name, dq_name(name), xq_name(name))}
+        rabbit = Rabbit(url)
+        try:
+            listed = [name for name in sorted(known) if len(name.encode()) <= 255 and rabbit.exists(name)]
+        finally:
+            rabbit.close()
+    ours = []
+    for name in listed:
+        base = TEST_QUEUE.match(name)
+        if base is not None and base.group() in issued:
+            ours.append(name)
+    return sorted(ours), how
 
 
 class QueueJanitor:
@@ -234,6 +302,7 @@ class QueueJanitor:
     def add(self, name: str) -> None:
         with self._lock:
             self.names.add(dramatiq.common.q_name(name))
+            DECLARED.add(dramatiq.common.q_name(name))
 
     def foreign(self) -> list[str]:
         """Queues the test declared that are not its own and now exist on the server."""

@@ -1,14 +1,17 @@
 """The public surface is deliberate: a name is added to or removed from it in three places at once.
 
-The public modules are ``dramatiq_reliable`` and each of its sub-packages (``outbox``,
-``testing``, ``tracing``, and any package added later), except the private ones (``_x``) and
-``cli`` (the command line is documented by its ``--help``).  Their ``__all__`` must match
+The public modules are every module of the package tree: ``dramatiq_reliable``, its sub-packages
+and every ``.py`` in them, except the private ones (``_x``, at any level), ``cli/`` (the command
+line is documented by its ``--help``) and ``__main__``.  Each has an ``__all__`` (empty for a
+module whose names are all internal), sorted, holding only names the module defines or, for a
+package, deliberately re-exports from the package.  Together they must match
 ``tests/public_api.txt`` (one ``module.name`` a line) and each name must be documented in
 ``docs/api.md``, under the module's heading.  Needs no service.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.metadata
 import inspect
@@ -27,10 +30,13 @@ DOCS = ROOT / "docs" / "api.md"
 
 
 def _public_modules() -> list[types.ModuleType]:
+    """Every module of the package tree but the private ones, the command line and ``__main__``."""
     modules = [dramatiq_reliable]
-    for info in pkgutil.iter_modules(dramatiq_reliable.__path__):
-        if info.ispkg and not info.name.startswith("_") and info.name != "cli":
-            modules.append(importlib.import_module(f"dramatiq_reliable.{info.name}"))
+    for info in pkgutil.walk_packages(dramatiq_reliable.__path__, prefix="dramatiq_reliable."):
+        parts = info.name.split(".")[1:]
+        if parts[0] == "cli" or any(part.startswith("_") for part in parts):
+            continue
+        modules.append(importlib.import_module(info.name))
     return modules
 
 
@@ -83,6 +89,53 @@ def test_every_public_module_has_an_all_of_names_only_sorted() -> None:
             )
 
 
+def _top_level_names(module: types.ModuleType) -> tuple[set[str], set[str]]:
+    """The names ``module``'s source defines at top level, and those it imports from the package."""
+    assert module.__file__ is not None
+    tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+    defined: set[str] = set()
+    imported: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign):
+            defined.update(target.id for target in node.targets if isinstance(target, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            defined.add(node.target.id)
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:  # from .x import Name: our own code
+            imported.update(alias.asname or alias.name for alias in node.names)
+    return defined, imported
+
+
+def test_every_public_name_is_defined_by_its_module_or_re_exported_by_its_package() -> None:
+    """A module lists what it defines; only a package (``__init__``) lists names it imports, its
+    deliberate re-exports, and only from this package's own code."""
+    for module in MODULES:
+        defined, imported = _top_level_names(module)
+        is_package = hasattr(module, "__path__")
+        for name in module.__all__:
+            if name in defined:
+                continue
+            assert is_package, (
+                f"{module.__name__}.__all__ lists {name!r}, which it imports: list a name in the module that "
+                "defines it, and re-export it from the package's __init__"
+            )
+            assert name in imported, (
+                f"{module.__name__}.__all__ lists {name!r}, which it neither defines nor imports from this package"
+            )
+
+
+def test_the_error_module_lists_every_error_it_defines() -> None:
+    from dramatiq_reliable import errors
+
+    defined = sorted(
+        name
+        for name, value in vars(errors).items()
+        if inspect.isclass(value) and issubclass(value, BaseException) and value.__module__ == "dramatiq_reliable"
+    )
+    assert sorted(errors.__all__) == defined
+
+
 def test_the_public_names_are_the_checked_in_list() -> None:
     exported, listed = _exported(), _listed()
     added, removed = sorted(exported - listed), sorted(listed - exported)
@@ -115,6 +168,15 @@ def test_every_public_name_is_documented_in_docs_api_md() -> None:
         if module in modules and not hasattr(modules[module], name)
     )
     assert not stale, f"docs/api.md documents names that no longer exist: {stale}; remove them from docs/api.md"
+
+
+def test_every_public_module_has_its_heading_in_docs_api_md() -> None:
+    """Also a module with no public names: its heading says so, and where to look instead."""
+    documented = _documented()
+    missing = [module.__name__ for module in MODULES if module.__name__ not in documented]
+    assert not missing, f"docs/api.md has no heading '## `module`' for {missing}"
+    unknown = sorted(set(documented) - {module.__name__ for module in MODULES})
+    assert not unknown, f"docs/api.md has headings for modules that are not public modules: {unknown}"
 
 
 def _public_errors() -> list[type[BaseException]]:

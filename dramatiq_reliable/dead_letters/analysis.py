@@ -29,6 +29,8 @@ from ..classify import http_status_of
 from ..errors import CommitOutcomeUnknown, JobCommitFailed, Unrecoverable
 from .records import _MAX_ERROR_MESSAGE_CHARS, _MAX_NAME_CHARS, FIRST_FAILURE_OPTION
 
+__all__ = ["Culprit", "Failure", "find_culprit", "fingerprint", "format_traceback"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Culprit:

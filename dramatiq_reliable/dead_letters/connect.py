@@ -22,7 +22,7 @@ from .._util import first_line, redact
 from ..classify import is_connection_failure
 from ..database import Database
 
-__all__ = ["write_within"]
+__all__ = []
 
 logger = logging.getLogger("dramatiq_reliable.dead_letters")
 

@@ -16,7 +16,8 @@ import re
 from .._checks import shown
 from ..errors import ConfigurationError
 
-__all__ = ["decode_cursor", "encode_cursor"]
+# Internal: the names below are used by other parts of the package, not by applications.
+__all__: list[str] = []
 
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 _US = datetime.timedelta(microseconds=1)

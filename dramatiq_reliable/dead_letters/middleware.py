@@ -33,6 +33,8 @@ from .records import (
 )
 from .store import PostgresDeadLetterStore
 
+__all__ = ["DeadLetters"]
+
 logger = logging.getLogger("dramatiq_reliable.dead_letters")
 
 

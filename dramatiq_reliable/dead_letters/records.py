@@ -12,6 +12,27 @@ from .. import _sql, events
 from .._checks import check_text
 from ..errors import ConfigurationError
 
+__all__ = [
+    "DEFAULT_REPLAY_MAX_AGE_MS",
+    "DEFAULT_RETENTION_MS",
+    "FIRST_FAILURE_OPTION",
+    "REASONS",
+    "RESET_OPTIONS",
+    "DeadLetter",
+    "DeadLetterCaptureFailed",
+    "DeadLetterCaptured",
+    "DeadLetterCount",
+    "DeadLetterFilter",
+    "DeadLetterGroup",
+    "DeadLetterPage",
+    "DeadLettersDiscarded",
+    "DeadLettersReplayed",
+    "DiscardResult",
+    "PurgeResult",
+    "ReplayResult",
+    "notify_channel",
+]
+
 #: Replays of jobs first sent longer ago than this are refused unless forced: a welcome email
 #: from three weeks ago should not go out now.  Seven days is also RabbitMQ's ``.XQ`` TTL.
 DEFAULT_REPLAY_MAX_AGE_MS = 7 * 24 * 3600 * 1000

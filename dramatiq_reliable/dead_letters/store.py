@@ -61,6 +61,8 @@ from .validators import (
     seconds,
 )
 
+__all__ = ["PostgresDeadLetterStore"]
+
 
 @functools.lru_cache(maxsize=256)
 def _query(name: str, schema_name: str) -> sql.Composed:

@@ -40,6 +40,8 @@ MAX_ID = 2**63 - 1
 #: The most rows one listing or grouping returns.
 MAX_LIMIT = 10_000
 
+__all__ = []
+
 
 @functools.lru_cache(maxsize=1)
 def _who() -> str:

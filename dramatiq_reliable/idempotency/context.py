@@ -15,6 +15,8 @@ from ..errors import NoCurrentJob
 from .keys import derive_external_key
 from .protocol import IdempotencyStore
 
+__all__ = ["Job", "Mode", "current_job", "external_key", "job_connection"]
+
 Mode = Literal["transactional", "record", "off"]
 MODES: tuple[Mode, ...] = ("transactional", "record", "off")
 

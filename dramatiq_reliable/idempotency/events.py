@@ -8,6 +8,16 @@ from typing import ClassVar
 
 from .. import events
 
+__all__ = [
+    "IdempotencyCommitFailed",
+    "IdempotencyDuplicateSkipped",
+    "IdempotencyKeyInvalid",
+    "IdempotencyKeyReused",
+    "IdempotencyKeysPurged",
+    "IdempotencyRecordFailed",
+    "IdempotencyUnavailable",
+]
+
 # -- events -------------------------------------------------------------------------------------
 
 

@@ -11,6 +11,8 @@ from dramatiq.message import Message
 
 from ..errors import ConfigurationError, IdempotencyKeyError
 
+__all__ = ["payload_hash"]
+
 #: Keys past this many UTF-8 bytes are refused: they must fit a btree index entry with room to spare.
 MAX_KEY_BYTES = 1000
 

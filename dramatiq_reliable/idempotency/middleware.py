@@ -60,6 +60,8 @@ from .keys import MAX_KEY_BYTES, check_storable, describe_message, payload_hash
 from .protocol import IdempotencyStore, StoredKey
 from .store import _FIRST_PAUSE_S, _MAX_PAUSE_S, PostgresIdempotencyStore, claim_key, read_key
 
+__all__ = ["Idempotency"]
+
 logger = logging.getLogger("dramatiq_reliable.idempotency")
 
 DEFAULT_RETENTION_MS = 7 * 86_400_000

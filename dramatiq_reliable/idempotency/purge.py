@@ -14,6 +14,8 @@ from ..database import Database, DatabaseLike
 from .middleware import Idempotency
 from .store import purge_expired
 
+__all__ = ["make_purge_actor"]
+
 
 def make_purge_actor(
     broker: Broker,

@@ -28,14 +28,7 @@ from ._connections import autocommit
 from .events import IdempotencyKeysPurged
 from .protocol import StoredKey
 
-__all__ = [
-    "KeyParams",
-    "PostgresIdempotencyStore",
-    "claim_key",
-    "on_fresh_connections",
-    "purge_expired",
-    "read_key",
-]
+__all__ = ["PostgresIdempotencyStore", "purge_expired"]
 
 _T = TypeVar("_T")
 

@@ -43,7 +43,7 @@ from .._checks import check_int, check_ms
 from .._util import rabbitmq_error, rabbitmq_reason
 from ..errors import BrokerUnavailable
 
-__all__ = ["Publication", "PublishOutcome", "Publisher", "bounded"]
+__all__ = []
 
 logger = logging.getLogger("dramatiq_reliable.outbox.publisher")
 

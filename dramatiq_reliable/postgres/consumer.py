@@ -33,7 +33,7 @@ from . import queue
 if TYPE_CHECKING:
     from .broker import PostgresBroker
 
-__all__ = ["Listener", "PostgresConsumer", "PostgresMessage"]
+__all__ = []
 
 logger = logging.getLogger("dramatiq_reliable.postgres")
 

@@ -26,7 +26,7 @@ from .._util import first_line
 from ..database import Database
 from . import queue
 
-__all__ = ["Ack", "Held", "Leases"]
+__all__ = []
 
 logger = logging.getLogger("dramatiq_reliable.postgres")
 

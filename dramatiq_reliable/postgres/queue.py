@@ -18,22 +18,7 @@ from psycopg.rows import class_row, dict_row
 from .. import _sql
 from ..database import Database
 
-__all__ = [
-    "ClaimedRow",
-    "QueueCounts",
-    "ack",
-    "claim",
-    "counts",
-    "flush",
-    "heartbeat",
-    "insert",
-    "nack",
-    "pending",
-    "pooled",
-    "purge_dead",
-    "release",
-    "retry_in_place",
-]
+__all__ = ["QueueCounts"]
 
 Held = Sequence[tuple[int, int]]
 

@@ -20,7 +20,8 @@ from .._util import first_line
 from ..errors import SchemaNotReady
 from ..schema import migrate_command
 
-__all__ = ["FIRST_RECHECK_MS", "MAX_RECHECK_MS", "REMINDER_MS", "SchemaGate"]
+# Internal: the names below are used by other parts of the package, not by applications.
+__all__: list[str] = []
 
 logger = logging.getLogger("dramatiq_reliable.postgres")
 

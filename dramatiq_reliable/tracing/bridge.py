@@ -28,7 +28,7 @@ from .metrics import Instruments
 from .relay import RelaySpans
 from .spans import SpanRecorder
 
-__all__ = ["EventBridge"]
+__all__ = []
 
 
 class EventBridge:

@@ -25,7 +25,7 @@ from ..backing import postgres_backed
 from ..health import Health, HealthMonitor, QueueDepths, QueueHealth
 from . import semconv as names
 
-__all__ = ["HealthGauges", "Instruments"]
+__all__ = []
 
 # The conventions' advice for messaging durations, in seconds.
 DURATION_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)

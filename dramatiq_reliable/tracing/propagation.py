@@ -18,13 +18,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from .._checks import is_int
 
-__all__ = [
-    "PREVIOUS_ATTEMPT_KEY",
-    "TRACE_CONTEXT_KEY",
-    "TRACE_ORIGIN_KEY",
-    "TRACE_REPLAY_KEY",
-    "Propagation",
-]
+__all__ = ["PREVIOUS_ATTEMPT_KEY", "TRACE_CONTEXT_KEY", "TRACE_ORIGIN_KEY", "TRACE_REPLAY_KEY"]
 
 #: The creation context, as the propagator writes it (``{"traceparent": ..., "tracestate": ...}``).
 TRACE_CONTEXT_KEY: Final = "trace_context"

@@ -25,7 +25,7 @@ from . import semconv as names
 from .metrics import Instruments
 from .propagation import TRACE_CONTEXT_KEY, Propagation
 
-__all__ = ["RelaySpans"]
+__all__ = []
 
 
 class RelaySpans:

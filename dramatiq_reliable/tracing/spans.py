@@ -41,7 +41,7 @@ from . import semconv as names
 from .metrics import Instruments
 from .propagation import RETRY_DECISION_KEY, TRACE_CONTEXT_KEY, TRACE_ORIGIN_KEY, TRACE_REPLAY_KEY, Propagation
 
-__all__ = ["SpanRecorder"]
+__all__ = []
 
 logger = logging.getLogger("dramatiq_reliable.tracing")
 

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from .._checks import shown
 from ..errors import ConfigurationError
 
-__all__ = ["LEVELS", "Access", "AccessHook", "cross_site_problem", "resolve"]
+__all__ = ["LEVELS", "Access", "AccessHook"]
 
 Level = Literal["full", "read", "forbidden"]
 #: The access levels, from most to least allowed.

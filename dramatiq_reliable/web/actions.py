@@ -35,7 +35,7 @@ from .access import Access
 from .rendering import Flash, add_flash, link, render
 from .views import FILTER_FIELDS, parse_filter, settings_of
 
-__all__ = ["WebAction", "discard", "outbox_retry", "replay", "schedule_action"]
+__all__ = ["WebAction"]
 
 logger = logging.getLogger("dramatiq_reliable.web")
 

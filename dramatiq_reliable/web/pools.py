@@ -23,7 +23,7 @@ from psycopg_pool import ConnectionPool
 
 from ..database import Database, DatabaseLike, connection_kwargs
 
-__all__ = ["ReadPool", "action_database"]
+__all__ = []
 
 
 def action_database(database: DatabaseLike) -> Database:

@@ -26,7 +26,7 @@ from starlette.templating import Jinja2Templates
 from .._util import format_age
 from .access import Access
 
-__all__ = ["Flash", "add_flash", "link", "render", "templates"]
+__all__ = []
 
 _FLASH_COOKIE = "dramatiq_reliable_flash"
 

@@ -37,16 +37,8 @@ from starlette.types import Message, Send
 from .._checks import shown
 from ..errors import ConfigurationError
 
-__all__ = [
-    "CONTENT_SECURITY_POLICY",
-    "LOOPBACK_HOSTS",
-    "SECURITY_HEADERS",
-    "allowed_host",
-    "check_allowed_hosts",
-    "host_of",
-    "host_problem",
-    "secured",
-]
+# Internal: the names below are used by other parts of the package, not by applications.
+__all__: list[str] = []
 
 #: The names the hook-less page always answers to: a person opening it on this machine.
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")

@@ -14,7 +14,7 @@ from ..health import QueueDepths
 from .access import AccessHook
 from .pools import ReadPool
 
-__all__ = ["Settings"]
+__all__ = []
 
 
 @dataclasses.dataclass

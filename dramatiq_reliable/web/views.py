@@ -31,15 +31,7 @@ from ..tracing.propagation import TRACE_CONTEXT_KEY
 from .rendering import render
 from .settings import Settings
 
-__all__ = [
-    "dead_letter",
-    "dead_letter_groups",
-    "dead_letter_list",
-    "outbox",
-    "overview",
-    "overview_fragment",
-    "schedules",
-]
+__all__ = []
 
 #: The list's state choices, as ``dead-letters list --state`` takes them.
 STATES = ("dead", "replayed", "discarded", "all")

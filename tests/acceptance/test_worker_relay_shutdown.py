@@ -40,8 +40,9 @@ def _published(db: psycopg.Connection[Any], db_schema: str) -> int:
 
 
 def test_a_worker_with_worker_relay_exits_on_sigterm_and_leaves_no_row_locked(
-    broker, queue_name, rabbit, db, db_schema, database_url, rabbitmq_url, tmp_path
+    broker, queue_name, queues, rabbit, db, db_schema, database_url, rabbitmq_url, tmp_path
 ):
+    queues.add(f"{queue_name}_w")  # the worker process declares it: deleted after the test, failed or not
     task = dramatiq.actor(lambda n: None, actor_name=f"{queue_name}_a", queue_name=queue_name, broker=broker)
     with broker.transaction():
         sent = {task.send(i).message_id for i in range(3000)}
@@ -86,4 +87,3 @@ def test_a_worker_with_worker_relay_exits_on_sigterm_and_leaves_no_row_locked(
     drain_outbox(broker)
     assert _published(db, db_schema) == 3000
     assert {body["message_id"] for body in rabbit.take_all(queue_name, expect=3000)} == sent
-    rabbit.delete(f"{queue_name}_w", f"{queue_name}_w.DQ", f"{queue_name}_w.XQ")

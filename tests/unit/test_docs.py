@@ -1,4 +1,5 @@
-"""The docs site: the CLI reference is the parser's, and the middleware order is written once."""
+"""The docs site: the CLI reference is the parser's, the middleware order is written once, and every
+Python block is seen by the snippet test (which runs them: tests/integration/test_docs_snippets.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib.util
 import re
 from pathlib import Path
 
+import docs_snippets
 import pytest
 
 from dramatiq_reliable.cli import build_parser
@@ -81,3 +83,70 @@ def test_every_page_is_in_the_site_navigation():
     for page in sorted(DOCS.rglob("*.md")):
         name = page.relative_to(DOCS).as_posix()
         assert f" {name}" in nav, f"{name} is not in mkdocs.yml's nav"
+
+
+def test_every_python_block_of_the_docs_runs_or_is_a_fragment_that_says_why():
+    """The snippet test (tests/integration/test_docs_snippets.py) sees every block a reader sees."""
+    opening = re.compile(r"^[ \t]*(`{3,}|~{3,})[ \t]*(python|pycon|py)\b", re.IGNORECASE | re.MULTILINE)
+    marker = re.compile(r"<!--\s*fragment")
+    for page in docs_snippets.PAGES:
+        text = page.read_text(encoding="utf-8")
+        every = docs_snippets.blocks(page)
+        found = docs_snippets.python_blocks(page)
+        # Fences and markers shown as examples inside another block (docs/testing.md) are its text.
+        quoted = "".join(block.code for block in every)
+        fences = len(opening.findall(text)) - len(opening.findall(quoted))
+        assert len(found) == fences, f"{page.name}: {fences} Python fences, the snippet test sees {len(found)}"
+        for block in found:
+            assert block.fragment != "", f"{block.where}: say why it is a fragment: '<!-- fragment: why -->'"
+        markers = len(marker.findall(text)) - len(marker.findall(quoted))
+        assert markers == sum(block.fragment is not None for block in found), (
+            f"{page.name}: a '<!-- fragment -->' marker that no Python block follows (it ends the last non-blank "
+            "line before the fence)"
+        )
+    assert sum(block.runs for page in docs_snippets.PAGES for block in docs_snippets.python_blocks(page)) > 30
+
+
+def test_the_snippet_parser_dedents_list_blocks_and_finds_markers_before_the_fence(tmp_path: Path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Intro\n\n```python\nx = 1\n```\n\n"
+        "1. A step: <!-- fragment: needs a mailer -->\n\n    ```python\n    mailer.send()\n    ```\n\n"
+        '<!-- fragment -->\n````python title="t"\n```\n````\n\n'
+        "```sh\necho no\n```\n\n```pycon\n>>> x + 1\n2\n```\n",
+        encoding="utf-8",
+    )
+    found = docs_snippets.blocks(page)
+    assert [(b.language, b.code, b.fragment, b.line) for b in found] == [
+        ("python", "x = 1\n", None, 3),
+        ("python", "mailer.send()\n", "needs a mailer", 9),
+        ("python", "```\n", "", 14),
+        ("sh", "echo no\n", None, 18),
+        ("pycon", ">>> x + 1\n2\n", None, 22),
+    ]
+    assert [b.runs for b in found] == [True, False, False, False, True]
+
+
+def test_the_snippet_urls_are_replaced_with_the_tests_own():
+    code = 'OutboxBroker(url="amqp://guest:guest@localhost:5672", database="postgresql://app@localhost/app")'
+    replaced = docs_snippets.substitute(
+        code, {"postgresql://app@localhost/app": "dbname=docs_1", "amqp://guest:guest@localhost:5672": "amqp://t/v"}
+    )
+    assert replaced == "OutboxBroker(url='amqp://t/v', database='dbname=docs_1')"
+    quoted = docs_snippets.substitute(
+        "connect('postgresql://app@localhost/app')", {"postgresql://app@localhost/app": "a'b"}
+    )
+    assert quoted == 'connect("a\'b")'
+
+
+def test_the_install_page_lists_every_extra_of_pyproject():
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pytest brings tomli
+        import tomli as tomllib
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    page = (DOCS / "install.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `([\w-]+)` \|", page, flags=re.MULTILINE))
+    missing, unknown = sorted(set(extras) - listed), sorted(listed - set(extras))
+    assert not missing, f"docs/install.md's table of extras lacks {missing}: add a row '| `name` | what for |'"
+    assert not unknown, f"docs/install.md lists extras that pyproject.toml does not define: {unknown}"
