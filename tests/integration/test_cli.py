@@ -184,7 +184,7 @@ def test_no_info_log_line_is_mixed_into_a_commands_output(run, broker):
     proxy.fail()
     stored = DeadLetters().capture(broker, proxy)
     assert stored is not None
-    code, out, err = run("dead-letters", "replay", str(stored.id))
+    code, out, err = run("dead-letters", "replay", str(stored.id), "--to", "outbox")
     assert code == ExitCode.OK and out.startswith("replayed 1 dead letter")
     assert err == ""
 
