@@ -1,7 +1,14 @@
 """Scheduled jobs: schedules declared in code, stored in Postgres, each tick enqueued once through the outbox."""
 
 from .admin import ScheduleStatus, list_schedules, pause_schedule, resume_schedule, trigger_schedule
-from .loop import Scheduler, SchedulerPass, ScheduleTickSkipped, ScheduleTicksMissed, tick_message_id
+from .loop import (
+    Scheduler,
+    SchedulerClock,
+    SchedulerPass,
+    ScheduleTickSkipped,
+    ScheduleTicksMissed,
+    tick_message_id,
+)
 from .policies import Plan, plan
 from .registry import Registry, default_registry, schedule
 from .runs import ScheduleRuns
@@ -17,6 +24,7 @@ __all__ = [
     "ScheduleTickSkipped",
     "ScheduleTicksMissed",
     "Scheduler",
+    "SchedulerClock",
     "SchedulerPass",
     "WorkerScheduler",
     "default_registry",

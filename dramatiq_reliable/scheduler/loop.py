@@ -16,7 +16,7 @@ import random
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import psycopg
 from dramatiq.broker import Broker
@@ -26,16 +26,24 @@ from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
 from .. import _sql, events, schema
-from .._util import first_line
+from .._checks import check_choice, check_int, check_ms, is_int
+from .._util import first_line, redact
 from ..backing import SENDS_TO, SendsTo, backing_of
 from ..database import Database, DatabaseLike
-from ..errors import ConfigurationError, SchemaNotReady
+from ..errors import SchemaNotReady
 from ..outbox.wake import wake_relays
 from .policies import plan
 from .registry import Registry, default_registry
 from .spec import Schedule
 
-__all__ = ["ScheduleTickSkipped", "ScheduleTicksMissed", "Scheduler", "SchedulerPass", "tick_message_id"]
+__all__ = [
+    "ScheduleTickSkipped",
+    "ScheduleTicksMissed",
+    "Scheduler",
+    "SchedulerClock",
+    "SchedulerPass",
+    "tick_message_id",
+]
 
 logger = logging.getLogger("dramatiq_reliable.scheduler")
 
@@ -73,6 +81,23 @@ class SchedulerPass:
     skipped: int
 
 
+class SchedulerClock(Protocol):
+    """Where a :class:`Scheduler` reads the time and how it waits, instead of the database clock and a real sleep.
+
+    For simulations and tests (a DST night in a second): :meth:`now` is the time every pass
+    and sync uses; :meth:`wait` is called for every pause of :meth:`Scheduler.run` and returns
+    once the pause is over or ``stop`` is set.
+    """
+
+    def now(self) -> dt.datetime:
+        """The current time, aware."""
+        ...
+
+    def wait(self, seconds: float, stop: threading.Event) -> None:
+        """Let ``seconds`` pass (or return early once ``stop`` is set)."""
+        ...
+
+
 def tick_message_id(schema_name: str, schedule_name: str, fire_at: dt.datetime) -> str:
     """The message id of a tick: the same schedule and fire time always give the same id."""
     stamp = fire_at.astimezone(dt.timezone.utc).isoformat()
@@ -92,6 +117,9 @@ class Scheduler:
         ``"queue"`` (with ``PostgresBroker``: the message goes into its queue table).  Either
         way the message, the tick and the next fire time commit in one transaction.
         :meth:`from_broker` picks it from the broker.
+      clock: a :class:`SchedulerClock` to read the time from and wait on (simulations and
+        tests); by default the database clock decides what is due, so hosts with skewed clocks
+        agree.
 
     >>> scheduler = Scheduler(database="postgresql://app@localhost/app")   # doctest: +SKIP
     >>> scheduler.sync(); scheduler.run()                                    # doctest: +SKIP
@@ -106,14 +134,11 @@ class Scheduler:
         batch_size: int = 500,
         poll_interval_ms: int = 1000,
         target: SendsTo = "outbox",
+        clock: SchedulerClock | None = None,
     ) -> None:
-        if target not in SENDS_TO:
-            raise ConfigurationError(
-                f"target must be 'outbox' or 'queue', got {target!r}; or build it with Scheduler.from_broker(broker)"
-            )
-        for name, value in (("batch_size", batch_size), ("poll_interval_ms", poll_interval_ms)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
+        check_choice("target", target, SENDS_TO, fix="or build it with Scheduler.from_broker(broker)")
+        check_int("batch_size", batch_size, minimum=1, fix="pass e.g. batch_size=500")
+        check_ms("poll_interval_ms", poll_interval_ms, minimum=1, fix="pass e.g. poll_interval_ms=1000")
         self.database = Database.of(database)
         # Only a pool made here from a URL is closed by close(); a shared Database is its owner's.
         self._owns_database = isinstance(database, str)
@@ -122,23 +147,36 @@ class Scheduler:
         self.batch_size = batch_size
         self.poll_interval_s = poll_interval_ms / 1000
         self.target: SendsTo = target
+        self.clock = clock
         self._stop = threading.Event()
         self._checked = False
 
     @classmethod
-    def from_broker(cls, broker: Broker, **options: Any) -> Scheduler:
+    def from_broker(
+        cls,
+        broker: Broker,
+        *,
+        registry: Registry | None = None,
+        batch_size: int = 500,
+        poll_interval_ms: int = 1000,
+        clock: SchedulerClock | None = None,
+    ) -> Scheduler:
         """A scheduler on the broker's database and schema, writing where that broker reads.
 
         ``PostgresBroker``: ticks go into its queue table; ``OutboxBroker``: into the outbox.
+        The other arguments are as for the constructor.
         """
-        for taken in ("database", "schema", "target"):
-            if taken in options:
-                raise ConfigurationError(
-                    f"Scheduler.from_broker takes {taken}= from the broker; drop it, or build Scheduler(...) directly"
-                )
         # The broker's Database is shared: close() leaves it open.
         backing = backing_of(broker, needed_by="Scheduler.from_broker()")
-        return cls(database=backing.database, schema=backing.schema, target=backing.sends_to, **options)
+        return cls(
+            database=backing.database,
+            schema=backing.schema,
+            target=backing.sends_to,
+            registry=registry,
+            batch_size=batch_size,
+            poll_interval_ms=poll_interval_ms,
+            clock=clock,
+        )
 
     # -- sync ---------------------------------------------------------------------------------
 
@@ -155,27 +193,51 @@ class Scheduler:
         with self.database.connection() as conn, conn.transaction():
             self._check(conn)
             # Syncs of one schema queue up here: concurrent start-ups never interleave upserts.
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"dramatiq_reliable.schedules:{self.schema}",))
-            now = _db_now(conn)
+            conn.execute(
+                _sql.query("schedule_sync_lock", self.schema), {"key": f"dramatiq_reliable.schedules:{self.schema}"}
+            )
+            now = self._now(conn).astimezone(dt.timezone.utc)
             for item in declared:
-                params = {
-                    "name": item.name,
-                    **item.definition(),
-                    "definition_hash": item.definition_hash(),
-                    "next_fire_at": item.next_after(now),
-                }
-                row = _sql.tuples(conn).execute(_sql.query("schedule_sync", self.schema), params).fetchone()
-                if row:
-                    changed.append(str(row[0]))
+                if self._sync_one(conn, item, now):
+                    changed.append(item.name)
+            # Every declared name, synced or not: a schedule that failed to sync keeps its row as it was.
             disabled = [
-                str(r[0])
-                for r in _sql.tuples(conn)
+                row["name"]
+                for row in conn.cursor(row_factory=dict_row)
                 .execute(_sql.query("schedule_disable", self.schema), {"names": [s.name for s in declared]})
                 .fetchall()
             ]
         if disabled:
             logger.warning("schedules no longer declared in code were disabled: %s", ", ".join(disabled))
         return changed, disabled
+
+    def _sync_one(self, conn: psycopg.Connection[Any], item: Schedule, now: dt.datetime) -> bool:
+        """Upsert ``item``; True if its row changed.  A schedule that cannot be stored is logged and skipped.
+
+        One bad schedule must not keep the process's other schedules from firing: its next fire
+        time is computed before any SQL, and its upsert runs in a savepoint of its own.
+        """
+        try:
+            params = {
+                "name": item.name,
+                **item.definition(),
+                "definition_hash": item.definition_hash(),
+                "next_fire_at": item.next_after(now),
+            }
+        except Exception as error:  # a timing that cannot be computed (declared validation was bypassed)
+            _log_unsynced(item, error)
+            return False
+        try:
+            with conn.transaction():
+                row = (
+                    conn.cursor(row_factory=dict_row)
+                    .execute(_sql.query("schedule_sync", self.schema), params)
+                    .fetchone()
+                )
+        except (psycopg.DataError, psycopg.IntegrityError) as error:  # refused by the table; others go on
+            _log_unsynced(item, error)
+            return False
+        return row is not None
 
     # -- one pass -----------------------------------------------------------------------------
 
@@ -186,7 +248,8 @@ class Scheduler:
         """
         with self.database.connection() as conn, conn.transaction():
             self._check(conn)
-            moment = now if now is not None else _db_now(conn)
+            # In UTC: the session's TimeZone (or the clock's zone) must not turn shifts into wall-clock arithmetic.
+            moment = (now if now is not None else self._now(conn)).astimezone(dt.timezone.utc)
             rows = (
                 conn.cursor(row_factory=dict_row)
                 .execute(_sql.query("schedule_claim", self.schema), {"now": moment, "batch_size": self.batch_size})
@@ -278,7 +341,7 @@ class Scheduler:
                     on_pass(result)
                 if result.claimed >= self.batch_size:
                     continue
-                self._stop.wait(self._sleep_s())
+                self._wait(self._sleep_s())
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout, SchemaNotReady) as error:
                 failures += 1
                 delay = min(30.0, 0.2 * 2 ** min(failures, 8)) * random.uniform(0.5, 1)
@@ -289,23 +352,42 @@ class Scheduler:
                     first_line(error),
                     delay,
                 )
-                self._stop.wait(delay)
+                self._wait(delay)
             except Exception:
                 failures += 1
                 delay = min(30.0, 0.2 * 2 ** min(failures, 8))
                 logger.exception("scheduler failed unexpectedly; retrying in %.1fs", delay)
-                self._stop.wait(delay)
+                self._wait(delay)
         logger.info("scheduler stopped")
 
     def _sleep_s(self) -> float:
         with self.database.connection() as conn:
-            row = _sql.tuples(conn).execute(_sql.query("schedule_next_due", self.schema)).fetchone()
+            now = self.clock.now() if self.clock is not None else None
+            row = (
+                conn.cursor(row_factory=dict_row)
+                .execute(_sql.query("schedule_next_due", self.schema), {"now": now})
+                .fetchone()
+            )
             conn.rollback()
-        if not row or row[0] is None:
+        if row is None or row["due_in_ms"] is None:
             return self.poll_interval_s
-        if row[1]:  # a buffered tick waits for a run to end: look again soon
+        if row["buffered"]:  # a buffered tick waits for a run to end: look again soon
             return min(self.poll_interval_s, 0.5)
-        return max(0.0, min(self.poll_interval_s, int(row[0]) / 1000))
+        return max(0.0, min(self.poll_interval_s, int(row["due_in_ms"]) / 1000))
+
+    def _wait(self, seconds: float) -> None:
+        if self.clock is not None:
+            self.clock.wait(seconds, self._stop)
+        else:
+            self._stop.wait(seconds)
+
+    def _now(self, conn: psycopg.Connection[Any]) -> dt.datetime:
+        """The time that decides what is due: the clock given, else the database's."""
+        if self.clock is not None:
+            return self.clock.now()
+        row = conn.cursor(row_factory=dict_row).execute(_sql.query("schedule_clock", self.schema)).fetchone()
+        assert row is not None
+        return row["now"]  # type: ignore[no-any-return]
 
 
 def tick_message(item: Schedule, fire_at: dt.datetime, message_id: str, timestamp_ms: int) -> Message[Any]:
@@ -357,10 +439,14 @@ def add_tick(
     fire["actor_names"].append(item.actor_name)
     fire["bodies"].append(body)
     priority = item.options.get("broker_priority")
-    fire["priorities"].append(priority if isinstance(priority, int) and not isinstance(priority, bool) else 0)
+    fire["priorities"].append(priority if is_int(priority) else 0)
 
 
-def _db_now(conn: psycopg.Connection[Any]) -> dt.datetime:
-    row = _sql.tuples(conn).execute("SELECT clock_timestamp()").fetchone()
-    assert row is not None
-    return row[0]  # type: ignore[no-any-return]
+def _log_unsynced(item: Schedule, error: BaseException) -> None:
+    logger.error(
+        "schedule %r was not synced and keeps its stored row, if any (%s: %s); the other schedules were synced. "
+        "Fix its declaration and restart",
+        item.name,
+        type(error).__name__,
+        redact(first_line(error)),
+    )

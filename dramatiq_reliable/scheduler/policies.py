@@ -27,6 +27,7 @@ __all__ = ["MAX_TICKS_PER_PASS", "Plan", "plan"]
 #: One pass handles at most this many ticks of one schedule; the rest wait for the next pass.
 MAX_TICKS_PER_PASS = 1000
 
+UTC = dt.timezone.utc
 _EPSILON = dt.timedelta(microseconds=1)
 
 
@@ -63,7 +64,15 @@ def plan(
     busy: bool,
     now: dt.datetime,
 ) -> Plan:
-    """Decide the pass for ``item``, whose stored next fire time is ``next_fire_at``."""
+    """Decide the pass for ``item``, whose stored next fire time is ``next_fire_at``.
+
+    The times may be aware in any zone (psycopg returns ``timestamptz`` in the session's
+    ``TimeZone``); they are compared and shifted in UTC, as arithmetic on an aware datetime in a
+    zone with DST is wall-clock arithmetic (an hour off across a change).
+    """
+    now = now.astimezone(UTC)
+    next_fire_at = next_fire_at.astimezone(UTC)
+    buffered_fire_at = None if buffered_fire_at is None else buffered_fire_at.astimezone(UTC)
     late_cut = now - dt.timedelta(milliseconds=item.misfire_grace_ms)
     candidates: list[dt.datetime] = []
     missed_first = missed_last = None

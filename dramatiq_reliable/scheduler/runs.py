@@ -15,10 +15,10 @@ from dramatiq import Middleware
 from dramatiq.broker import Broker, MessageProxy
 
 from .. import _sql
+from .._checks import check_ms
 from .._util import first_line, redact
 from ..backing import backing_of
 from ..database import Database, DatabaseLike
-from ..errors import ConfigurationError
 
 __all__ = ["ScheduleRuns"]
 
@@ -54,10 +54,7 @@ class ScheduleRuns(Middleware):
     def __init__(
         self, *, database: DatabaseLike | None = None, schema: str | None = None, timeout_ms: int = 2000
     ) -> None:
-        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms < 1:
-            raise ConfigurationError(
-                f"timeout_ms must be a positive int of milliseconds, got {timeout_ms!r}; e.g. 2000"
-            )
+        check_ms("timeout_ms", timeout_ms, minimum=1, fix="pass e.g. timeout_ms=2000")
         self._database = Database.of(database) if database is not None else None
         # Only a pool made here from a URL is closed here.
         self._owned = self._database if isinstance(database, str) else None

@@ -1,25 +1,9 @@
 """A schedule as declared in code: when it fires (cron or a fixed interval, in a time zone) and its policies.
 
-Fire times are computed here and nowhere else, so every scheduler process agrees on them
-without talking to the others.
-
-**Cron** expressions are parsed by `cronsim <https://pypi.org/project/cronsim/>`_ (typed, no
-dependencies, follows Debian cron, with an ``explain()`` text we show in ``schedules list``), and
-read in the schedule's IANA time zone (:mod:`zoneinfo`).  Daylight-saving time follows Debian
-cron:
-
-* spring forward: a time that does not exist that day (02:30 when clocks jump from 02:00 to
-  03:00) fires once, at the first minute after the gap (03:00 local);
-* fall back: a fixed-time job (minute and hour fields without ``*``) fires once, at the first of
-  the two repeated times (02:30 summer time); a job with ``*`` in the minute or hour field fires
-  on both passes, as wall-clock times come round twice.
-
-Six-field expressions (a seconds field first) are read by cronsim without the Debian DST quirks:
-each wall-clock time that exists fires.
-
-**Intervals** (``every_ms=``) count absolute time and are aligned to the Unix epoch (every 5
-minutes fires at :00, :05, ... UTC), so DST never moves them and every process computes the same
-ticks; use cron for wall-clock times.
+Fire times, and what daylight-saving time does to them, are computed in
+:mod:`~dramatiq_reliable.scheduler.fire_times` and nowhere else, so every scheduler process
+agrees on them without talking to the others.  Every field is validated here, when the schedule
+is declared, so nothing a sync or a pass could choke on reaches the database.
 """
 
 from __future__ import annotations
@@ -33,34 +17,45 @@ from collections.abc import Iterator
 from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from .._checks import MAX_MS, check_choice, check_ms
 from ..errors import ConfigurationError
+from .fire_times import (
+    cron_last_at_or_before,
+    cron_times_after,
+    interval_last_at_or_before,
+    interval_times_after,
+    load_cronsim,
+)
 
-__all__ = ["MISSED", "OVERLAP", "Missed", "Overlap", "Schedule", "cron_iter", "explain"]
+__all__ = ["MISSED", "OVERLAP", "Missed", "Overlap", "Schedule", "explain"]
 
 Missed = Literal["skip", "once", "backfill"]
 Overlap = Literal["skip", "buffer", "allow"]
 MISSED: tuple[Missed, ...] = ("skip", "once", "backfill")
 OVERLAP: tuple[Overlap, ...] = ("skip", "buffer", "allow")
 
+#: The longest interval: 100 years, the bound every duration option shares.  A longer one is a
+#: typo (a unit slip), and past it the next fire time overflows ``datetime`` and Postgres.
+MAX_EVERY_MS = MAX_MS
+
 UTC = dt.timezone.utc
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
+# fullmatch, never ``$``: ``$`` also matches before a final newline, which let "name\n" through.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}")
 _DAY_MS = 86_400_000
 
 
-def _cronsim() -> Any:
-    try:
-        import cronsim
-    except ImportError as error:  # pragma: no cover - the extra is missing
+def check_schedule_name(name: object) -> str:
+    """Return ``name`` if it is a valid schedule name, else raise ``ConfigurationError`` with the rule.
+
+    1-200 characters of letters, digits and ``._:/-``, starting with a letter or digit: a name
+    shows in logs, tables and URLs, so no spaces, newlines or NULs.
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ConfigurationError(
-            "cron schedules need the cronsim package; pip install 'dramatiq-reliable[scheduler]'"
-        ) from error
-    return cronsim
-
-
-def _positive_ms(name: str, value: object, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigurationError(f"{name} must be an int of milliseconds >= {minimum}, got {value!r}")
-    return value
+            f"schedule name {name!r} must be 1-200 characters of letters, digits and ._:/- "
+            "starting with a letter or digit; name it e.g. 'nightly-sync'"
+        )
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +82,14 @@ class Schedule:
     stale_after_ms: int = _DAY_MS
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise ConfigurationError(
-                f"schedule name {self.name!r} must be 1-200 characters of letters, digits and ._:/- "
-                "starting with a letter or digit; name it e.g. 'nightly-sync'"
-            )
+        check_schedule_name(self.name)
         where = f"schedule {self.name!r}"
+        for field, value in (("actor_name", self.actor_name), ("queue_name", self.queue_name)):
+            if not isinstance(value, str) or not value or not _storable(value):
+                raise ConfigurationError(
+                    f"{where}: {field} must be a non-empty string without NUL, got {value!r}; "
+                    "pass the actor (or its name with queue_name=)"
+                )
         if (self.cron is None) == (self.every_ms is None):
             raise ConfigurationError(
                 f"{where}: pass exactly one of cron= and every_ms=, e.g. cron='0 3 * * *' or every_ms=60_000"
@@ -100,15 +97,23 @@ class Schedule:
         if self.cron is not None:
             if not isinstance(self.cron, str) or not self.cron.strip():
                 raise ConfigurationError(f"{where}: cron must be a cron expression string, got {self.cron!r}")
+            # Outside the try: a missing cronsim is not an invalid expression.
+            cronsim = load_cronsim()
             try:
-                _cronsim().CronSim(self.cron, dt.datetime(2000, 1, 1, tzinfo=UTC))
+                cronsim.CronSim(self.cron, dt.datetime(2000, 1, 1, tzinfo=UTC))
             except Exception as error:
                 raise ConfigurationError(
                     f"{where}: cron expression {self.cron!r} is invalid ({error}); write five fields, "
                     "minute hour day-of-month month day-of-week, e.g. '0 3 * * *'"
                 ) from None
         else:
-            _positive_ms(f"{where}: every_ms", self.every_ms, minimum=1000)
+            check_ms(
+                f"{where}: every_ms",
+                self.every_ms,
+                minimum=1000,
+                maximum=MAX_EVERY_MS,
+                fix="pass an interval from 1 second to 100 years, e.g. every_ms=60_000",
+            )
         try:
             zone_ok = isinstance(self.tz, str) and bool(self.tz) and ZoneInfo(self.tz) is not None
         except (ZoneInfoNotFoundError, ValueError):
@@ -117,13 +122,11 @@ class Schedule:
             raise ConfigurationError(
                 f"{where}: tz {self.tz!r} is not an IANA time zone; use e.g. 'Europe/Berlin' or 'UTC'"
             )
-        if self.missed not in MISSED:
-            raise ConfigurationError(f"{where}: missed must be one of {MISSED!r}, got {self.missed!r}")
-        if self.overlap not in OVERLAP:
-            raise ConfigurationError(f"{where}: overlap must be one of {OVERLAP!r}, got {self.overlap!r}")
-        _positive_ms(f"{where}: misfire_grace_ms", self.misfire_grace_ms, minimum=0)
-        _positive_ms(f"{where}: backfill_window_ms", self.backfill_window_ms, minimum=0)
-        _positive_ms(f"{where}: stale_after_ms", self.stale_after_ms)
+        check_choice(f"{where}: missed", self.missed, MISSED)
+        check_choice(f"{where}: overlap", self.overlap, OVERLAP)
+        check_ms(f"{where}: misfire_grace_ms", self.misfire_grace_ms, minimum=0)
+        check_ms(f"{where}: backfill_window_ms", self.backfill_window_ms, minimum=0)
+        check_ms(f"{where}: stale_after_ms", self.stale_after_ms, minimum=1)
         if not isinstance(self.args, tuple) or not isinstance(self.kwargs, dict) or not isinstance(self.options, dict):
             raise ConfigurationError(f"{where}: args must be a tuple, kwargs and options dicts")
         try:
@@ -132,6 +135,12 @@ class Schedule:
             raise ConfigurationError(
                 f"{where}: args, kwargs and options must be JSON-serialisable ({error}); pass IDs and strings"
             ) from None
+        if not _storable([self.args, self.kwargs, self.options]):
+            # Postgres jsonb refuses them, so the sync would fail for this schedule.
+            raise ConfigurationError(
+                f"{where}: args, kwargs and options must not hold NUL characters or lone surrogates; "
+                "pass IDs and plain strings"
+            )
 
     # -- fire times ---------------------------------------------------------------------------
 
@@ -144,32 +153,18 @@ class Schedule:
         return next(self.times_after(moment))
 
     def times_after(self, moment: dt.datetime) -> Iterator[dt.datetime]:
-        """Fire times strictly after ``moment``, in order, as UTC datetimes."""
+        """Fire times strictly after ``moment``, increasing, as UTC datetimes (DST: see ``fire_times``)."""
         if self.every_ms is not None:
-            step = self.every_ms
-            epoch_ms = _epoch_ms(moment)
-            k = epoch_ms // step + 1
-            while True:
-                yield _from_epoch_ms(k * step)
-                k += 1
-        else:
-            assert self.cron is not None
-            # Read the expression in the schedule's zone; astimezone sets ``fold`` right for a
-            # repeated hour, so iteration continues from the pass we are in.
-            for moment_local in cron_iter(self.cron, moment.astimezone(self.zone)):
-                yield moment_local.astimezone(UTC)
+            return interval_times_after(self.every_ms, moment)
+        assert self.cron is not None
+        return cron_times_after(self.cron, self.zone, moment)
 
     def last_at_or_before(self, moment: dt.datetime) -> dt.datetime | None:
         """The latest fire time at or before ``moment``, in UTC (``None`` if there is none)."""
         if self.every_ms is not None:
-            return _from_epoch_ms(_epoch_ms(moment) // self.every_ms * self.every_ms)
+            return interval_last_at_or_before(self.every_ms, moment)
         assert self.cron is not None
-        probe = moment + dt.timedelta(microseconds=1)
-        try:
-            found = next(_cronsim().CronSim(self.cron, probe.astimezone(self.zone), reverse=True))
-        except StopIteration:  # pragma: no cover - a cron expression always has a past
-            return None
-        return found.astimezone(UTC)  # type: ignore[no-any-return]
+        return cron_last_at_or_before(self.cron, self.zone, moment)
 
     def explain(self) -> str:
         """What the timing means in words: ``At 03:00 every day (Europe/Berlin)``."""
@@ -219,16 +214,28 @@ class Schedule:
         )
 
 
-def cron_iter(expression: str, start: dt.datetime) -> Iterator[dt.datetime]:
-    """Fire times of ``expression`` strictly after ``start``, in ``start``'s zone (Debian cron DST rules)."""
-    return iter(_cronsim().CronSim(expression, start))
+def _storable(value: object) -> bool:
+    """True if every string in ``value`` (a JSON value) fits Postgres ``text``/``jsonb``: no NUL, valid UTF-8."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            return False
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(_storable(key) and _storable(item) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_storable(item) for item in value)
+    return True
 
 
 def explain(cron: str | None, every_ms: int | None, tz: str) -> str:
     """Words for a timing: cronsim's explanation of a cron expression, or ``every 5 min``."""
     if cron is not None:
         try:
-            text = str(_cronsim().CronSim(cron, dt.datetime(2000, 1, 1, tzinfo=UTC)).explain())
+            text = str(load_cronsim().CronSim(cron, dt.datetime(2000, 1, 1, tzinfo=UTC)).explain())
         except Exception:
             text = cron
         return f"{text} ({tz})"
@@ -241,12 +248,3 @@ def _duration(ms: int) -> str:
         if ms % size == 0:
             return f"{ms // size} {unit}"
     return f"{ms} ms"
-
-
-def _epoch_ms(moment: dt.datetime) -> int:
-    delta = moment.astimezone(UTC) - dt.datetime(1970, 1, 1, tzinfo=UTC)
-    return (delta.days * 86_400 + delta.seconds) * 1000 + delta.microseconds // 1000
-
-
-def _from_epoch_ms(ms: int) -> dt.datetime:
-    return dt.datetime(1970, 1, 1, tzinfo=UTC) + dt.timedelta(milliseconds=ms)

@@ -9,8 +9,10 @@ from typing import Any
 from dramatiq import Middleware
 from dramatiq.broker import Broker
 
-from ..errors import ConfigurationError, ReliableError
+from .._checks import check_int, check_ms
+from ..errors import ReliableError
 from .loop import Scheduler
+from .registry import Registry
 
 __all__ = ["WorkerScheduler"]
 
@@ -28,36 +30,36 @@ class WorkerScheduler(Middleware):
 
     Parameters:
       stop_timeout_ms: how long worker shutdown waits for the pass in hand.
-      scheduler_options: passed to :class:`Scheduler` (``registry``, ``batch_size``,
-        ``poll_interval_ms``); database, schema and target come from the broker.
+      registry, batch_size, poll_interval_ms: as for :class:`Scheduler`; database, schema and
+        target come from the broker (``Scheduler.from_broker``).
 
     >>> broker.add_middleware(WorkerScheduler())      # doctest: +SKIP
     """
 
-    def __init__(self, *, stop_timeout_ms: int = 10_000, **scheduler_options: Any) -> None:
-        if isinstance(stop_timeout_ms, bool) or not isinstance(stop_timeout_ms, int) or stop_timeout_ms < 1:
-            raise ConfigurationError(
-                f"stop_timeout_ms must be a positive int of milliseconds, got {stop_timeout_ms!r}; e.g. 10000"
-            )
-        for taken in ("database", "schema", "target"):
-            if taken in scheduler_options:
-                raise ConfigurationError(
-                    f"WorkerScheduler takes {taken}= from the broker; drop it and configure the broker instead"
-                )
-        unknown = set(scheduler_options) - {"registry", "batch_size", "poll_interval_ms"}
-        if unknown:
-            raise ConfigurationError(
-                f"WorkerScheduler got unknown options {sorted(unknown)!r}; it takes registry=, batch_size=, "
-                "poll_interval_ms= and stop_timeout_ms="
-            )
+    def __init__(
+        self,
+        *,
+        stop_timeout_ms: int = 10_000,
+        registry: Registry | None = None,
+        batch_size: int = 500,
+        poll_interval_ms: int = 1000,
+    ) -> None:
+        check_ms("stop_timeout_ms", stop_timeout_ms, minimum=1, fix="pass e.g. stop_timeout_ms=10_000")
+        # Checked here, at start-up, rather than in the worker thread at boot.
+        check_int("batch_size", batch_size, minimum=1, fix="pass e.g. batch_size=500")
+        check_ms("poll_interval_ms", poll_interval_ms, minimum=1, fix="pass e.g. poll_interval_ms=1000")
         self.stop_timeout_ms = stop_timeout_ms
-        self.scheduler_options = scheduler_options
+        self.registry = registry
+        self.batch_size = batch_size
+        self.poll_interval_ms = poll_interval_ms
         self.scheduler: Scheduler | None = None
         self._thread: threading.Thread | None = None
 
     def after_worker_boot(self, broker: Broker, worker: Any) -> None:
         try:
-            self.scheduler = Scheduler.from_broker(broker, **self.scheduler_options)
+            self.scheduler = Scheduler.from_broker(
+                broker, registry=self.registry, batch_size=self.batch_size, poll_interval_ms=self.poll_interval_ms
+            )
         except ReliableError as error:
             logger.error("%s; no scheduler runs in this worker", error)
             return

@@ -12,7 +12,7 @@ import pytest
 from dramatiq.middleware import Callbacks
 from psycopg import sql
 
-from dramatiq_reliable import CheckpointError, SchemaNotReady, WorkerRelay, checkpoint, job_connection
+from dramatiq_reliable import CheckpointError, SchemaNotReady, WorkerRelay, _sql, checkpoint, job_connection, schema
 from dramatiq_reliable.idempotency import Idempotency
 from dramatiq_reliable.testing import wait_for
 
@@ -145,14 +145,18 @@ def test_a_closed_connection_or_a_failed_transaction_is_refused_with_the_fix(dat
         _open_on(conn, db_schema)
 
 
-def _open_on(conn: psycopg.Connection[Any], schema: str) -> None:
-    with checkpoint("ids", initial=0, conn=conn, schema=schema):
+def _open_on(conn: psycopg.Connection[Any], schema: str, *, transactions: bool = False) -> None:
+    with checkpoint("ids", initial=0, conn=conn, schema=schema, transactions=transactions):
         pass
 
 
 def test_without_the_schema_migrated_the_error_says_to_migrate(database_url, unmigrated_schema):
-    with pytest.raises(SchemaNotReady, match="run 'dramatiq-reliable migrate'"):
-        _run(database_url, unmigrated_schema, "ids", 0)
+    for transactions in (False, True):
+        with (
+            pytest.raises(SchemaNotReady, match=rf"run 'dramatiq-reliable migrate --schema {unmigrated_schema}'"),
+            psycopg.connect(database_url) as conn,
+        ):
+            _open_on(conn, unmigrated_schema, transactions=transactions)
 
 
 def test_inside_a_transactional_job_the_watermark_commits_with_the_job_and_a_failed_job_keeps_it(
@@ -181,3 +185,38 @@ def test_inside_a_transactional_job_the_watermark_commits_with_the_job_and_a_fai
     assert rows == [(0, 5), (5, 7)]  # the failed run's write and watermark rolled back together
     assert _stored(db, db_schema, "ids") == (None, 7, done.message_id)
     assert failed.message_id != done.message_id
+
+
+def _as_version(database_url: str, schema_name: str, version: int) -> None:
+    """Migrations 1..version only: a schema an older release left."""
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        conn.execute(schema._header(schema_name))
+        for migration in schema.migrations()[:version]:
+            conn.execute(_sql.compose(migration.text, schema_name))
+            conn.execute(schema._record(schema_name, migration))
+
+
+def test_migration_7_keeps_the_watermarks_and_code_before_it_keeps_working(database_url, unmigrated_schema, db):
+    """On a version 6 schema, timestamp and id checkpoints work and transactions=True says to migrate;
+    migration 7 keeps their rows, and the three kinds then live side by side."""
+    _as_version(database_url, unmigrated_schema, 6)
+    assert schema.current_version(db, schema=unmigrated_schema) == 6
+    assert _run(database_url, unmigrated_schema, "ids", 0, advance=7) == (0, None)
+    _run(database_url, unmigrated_schema, "stamps", T0, advance=T0)
+    with (
+        pytest.raises(SchemaNotReady, match=r"older than schema version 7; run 'dramatiq-reliable migrate --schema"),
+        psycopg.connect(database_url) as conn,
+    ):
+        _open_on(conn, unmigrated_schema, transactions=True)
+    assert schema.migrate(database_url, schema=unmigrated_schema) == [7]
+    assert _run(database_url, unmigrated_schema, "ids", 0) == (7, None)
+    assert _run(database_url, unmigrated_schema, "stamps", T0)[0] == T0
+    with psycopg.connect(database_url) as conn:
+        with checkpoint("txids", initial=0, conn=conn, schema=unmigrated_schema, transactions=True) as window:
+            assert window.since == 0 and window.until is not None and window.until > 0
+        horizon = window.until
+    assert db.execute(
+        sql.SQL("SELECT watermark_txid FROM {} WHERE name = 'txids'").format(
+            sql.Identifier(unmigrated_schema, "checkpoints")
+        )
+    ).fetchone() == (horizon,)

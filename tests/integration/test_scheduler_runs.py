@@ -225,13 +225,17 @@ def test_worker_scheduler_writes_outbox_rows_with_an_outbox_broker(broker: Any, 
     assert _count(db, db_schema, "outbox") == _count(db, db_schema, "schedule_ticks")
 
 
-def test_worker_scheduler_refuses_options_the_broker_owns() -> None:
-    with pytest.raises(ConfigurationError, match="takes database= from the broker"):
-        WorkerScheduler(database="postgresql://x")
-    with pytest.raises(ConfigurationError, match="unknown options"):
-        WorkerScheduler(batchsize=3)
+def test_worker_scheduler_takes_explicit_options_and_refuses_those_the_broker_owns() -> None:
+    with pytest.raises(TypeError, match="database"):
+        WorkerScheduler(database="postgresql://x")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="batchsize"):
+        WorkerScheduler(batchsize=3)  # type: ignore[call-arg]
     with pytest.raises(ConfigurationError, match="stop_timeout_ms"):
         WorkerScheduler(stop_timeout_ms=0)
+    with pytest.raises(ConfigurationError, match=r"batch_size must be an int >= 1, got True"):
+        WorkerScheduler(batch_size=True)
+    with pytest.raises(ConfigurationError, match=r"poll_interval_ms must be at most"):
+        WorkerScheduler(poll_interval_ms=10**30)
 
 
 def test_from_broker_refuses_a_broker_without_postgres() -> None:

@@ -6,7 +6,14 @@ import datetime as dt
 
 import pytest
 
-from dramatiq_reliable import CheckpointError, CheckpointWindow, NoCurrentJob, ReliableError, checkpoint
+from dramatiq_reliable import (
+    CheckpointError,
+    CheckpointWindow,
+    ConfigurationError,
+    NoCurrentJob,
+    ReliableError,
+    checkpoint,
+)
 from dramatiq_reliable.idempotency.context import Job, Running, current_running
 
 UTC = dt.timezone.utc
@@ -46,10 +53,21 @@ def test_a_bad_name_is_refused(name):
         _open(name, initial=0)
 
 
-@pytest.mark.parametrize("lag_ms", [-1, 1.5, True])
-def test_a_bad_lag_is_refused(lag_ms):
-    with pytest.raises(CheckpointError, match=r"lag_ms must be an int >= 0"):
+@pytest.mark.parametrize("lag_ms", [-1, 1.5, True, 10**30])
+def test_a_bad_lag_is_refused_by_the_one_argument_checker(lag_ms):
+    with pytest.raises(ConfigurationError, match=r"lag_ms must be (an int >= 0|at most)"):
         _open("ids", initial=0, lag_ms=lag_ms)
+
+
+@pytest.mark.parametrize("transactions", [1, "yes", None])
+def test_transactions_must_be_a_bool(transactions):
+    with pytest.raises(ConfigurationError, match=r"transactions must be True or False"):
+        _open("ids", initial=0, transactions=transactions)
+
+
+def test_a_transaction_id_checkpoint_takes_an_int_initial():
+    with pytest.raises(CheckpointError, match=r"transactions=True counts transaction ids.*pass initial=0"):
+        _open("events-export", initial=T0, transactions=True)
 
 
 def test_a_conn_that_is_not_a_psycopg_connection_is_refused():

@@ -9,6 +9,7 @@ import pytest
 
 from dramatiq_reliable import ConfigurationError
 from dramatiq_reliable.scheduler import Registry, Schedule, plan, schedule
+from dramatiq_reliable.scheduler.spec import MAX_EVERY_MS, check_schedule_name
 
 UTC = dt.timezone.utc
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -134,3 +135,84 @@ def test_bad_declarations_are_refused_with_the_fix():
     schedule("n", actor="a", queue_name="q", every_ms=1000, registry=registry)
     with pytest.raises(ConfigurationError, match="declared twice"):
         schedule("n", actor="a", queue_name="q", every_ms=2000, registry=registry)
+
+
+def test_plan_takes_times_in_the_database_sessions_zone_as_instants():
+    """A session with TimeZone 'Europe/Berlin' returns 02:00:30 CET; the grace is 60 s before it, not an hour more.
+
+    Aware arithmetic in a zone with DST is wall-clock arithmetic: 02:00:30 CET minus 60 s gave
+    01:59:30 CEST, 61 minutes earlier, and ten minutes of missed ticks fired as if on time.
+    """
+    every_minute = _item(cron="* * * * *", overlap="allow")
+    now = _at(2026, 10, 25, 1, 0, 30)  # 02:00:30 CET, 30 s after the clocks went back
+    stored = _at(2026, 10, 25, 0, 50)  # missed: every scheduler was down for ten minutes
+    in_utc = plan(every_minute, next_fire_at=stored, buffered_fire_at=None, busy=False, now=now)
+    in_berlin = plan(
+        every_minute,
+        next_fire_at=stored.astimezone(BERLIN),
+        buffered_fire_at=None,
+        busy=False,
+        now=now.astimezone(BERLIN),
+    )
+    assert in_berlin == in_utc
+    assert in_utc.fire == (_at(2026, 10, 25, 1, 0),)  # only the on-time tick; missed="skip" drops the rest
+    assert in_utc.missed_first == stored
+
+
+@pytest.mark.parametrize("name", ["nightly\n", "nightly\r\n", "\nnightly", "night ly", "nightly\x00", "", "x" * 201])
+def test_a_schedule_name_with_a_newline_or_outside_the_pattern_is_refused(name: str) -> None:
+    """The pattern is matched whole: "nightly\\n" used to pass, as $ also matches before a final newline."""
+    with pytest.raises(ConfigurationError, match="must be 1-200 characters of letters, digits and ._:/-"):
+        _item(name=name)
+    with pytest.raises(ConfigurationError, match="must be 1-200 characters"):
+        schedule(name, actor="a", queue_name="q", every_ms=1000, registry=Registry())
+    with pytest.raises(ConfigurationError, match="must be 1-200 characters"):
+        check_schedule_name(name)
+
+
+def test_a_valid_name_is_accepted_up_to_200_characters() -> None:
+    assert check_schedule_name("reports/nightly:eu-1.v2") == "reports/nightly:eu-1.v2"
+    assert _item(name="x" * 200).name == "x" * 200
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("every_ms", 10**30, r"every_ms must be at most 3153600000000 milliseconds, got 10{30}.*100 years"),
+        ("every_ms", MAX_EVERY_MS + 1, "every_ms must be at most 3153600000000 milliseconds"),
+        ("every_ms", 999, r"every_ms must be an int >= 1000 \(milliseconds\), got 999"),
+        ("every_ms", True, "every_ms must be an int >= 1000 .* got True"),
+        ("every_ms", 1500.0, "got 1500.0"),
+        ("misfire_grace_ms", 10**30, "misfire_grace_ms must be at most"),
+        ("backfill_window_ms", -1, "backfill_window_ms must be an int >= 0"),
+        ("stale_after_ms", 10**20, "stale_after_ms must be at most"),
+        ("missed", "never", "missed must be one of 'skip', 'once', 'backfill', got 'never'"),
+        ("overlap", True, "overlap must be one of"),
+    ],
+)
+def test_durations_and_choices_are_checked_at_declaration(field: str, value: object, message: str) -> None:
+    """Every duration has a bound (100 years): 10**30 once made Scheduler.sync() fail for every schedule."""
+    with pytest.raises(ConfigurationError, match=message):
+        _item(**{field: value})
+
+
+def test_the_longest_interval_is_accepted_and_its_next_fire_time_computes() -> None:
+    item = _item(every_ms=MAX_EVERY_MS)
+    now = _at(2026, 1, 1)
+    assert now < item.next_after(now) <= now + dt.timedelta(milliseconds=MAX_EVERY_MS)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"args": ("a\x00b",)},
+        {"kwargs": {"k": ["\ud800"]}},
+        {"options": {"\x00": 1}},
+        {"queue_name": "q\x00"},
+        {"actor_name": ""},
+    ],
+)
+def test_values_postgres_cannot_store_are_refused_at_declaration(fields: dict[str, object]) -> None:
+    """A NUL or a lone surrogate would make the sync fail for this schedule; it is refused when declared."""
+    with pytest.raises(ConfigurationError, match="NUL"):
+        _item(**fields)
