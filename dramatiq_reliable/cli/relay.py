@@ -169,7 +169,7 @@ class ProgressLog:
         self._thread: threading.Thread | None = None
 
     def __call__(self, event: events.Event) -> None:
-        from ..outbox.relay import OutboxPublished, OutboxRowFailed
+        from ..outbox.events import OutboxPublished, OutboxRowFailed
 
         with self._lock:
             if isinstance(event, OutboxPublished) and event.schema == self.schema:

@@ -6,7 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..health import Health, QueueDepths, SourceCounts, Thresholds, check_health, collect_health
+from ..health import Health, SourceCounts, Thresholds, check_health, collect_health
+from ..queue_depths import QueueDepths
 from . import output
 from .common import (
     Duration,

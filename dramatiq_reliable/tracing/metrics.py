@@ -22,7 +22,8 @@ from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observati
 
 from .._sql import DEFAULT_SCHEMA
 from ..backing import postgres_backed
-from ..health import Health, HealthMonitor, QueueDepths, QueueHealth
+from ..health import Health, HealthMonitor, QueueHealth
+from ..queue_depths import QueueDepths
 from . import semconv as names
 
 __all__ = []

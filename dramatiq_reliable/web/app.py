@@ -35,7 +35,7 @@ from .._util import redact
 from ..backing import SENDS_TO, SendsTo, postgres_backed
 from ..dead_letters import DEFAULT_REPLAY_MAX_AGE_MS, PostgresDeadLetterStore
 from ..errors import ConfigurationError, SchemaNotReady
-from ..health import QueueDepths
+from ..queue_depths import QueueDepths
 from . import actions, views
 from .access import Access, AccessHook, cross_site_problem, resolve
 from .pools import ReadPool, action_database

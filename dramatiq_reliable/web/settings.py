@@ -10,7 +10,7 @@ from typing import Any
 
 from ..backing import SendsTo
 from ..dead_letters import PostgresDeadLetterStore
-from ..health import QueueDepths
+from ..queue_depths import QueueDepths
 from .access import AccessHook
 from .pools import ReadPool
 

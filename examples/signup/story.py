@@ -22,7 +22,7 @@ from dramatiq.middleware import Middleware
 from dramatiq_reliable import events
 from dramatiq_reliable.dead_letters import DeadLetterCaptured, DeadLettersReplayed
 from dramatiq_reliable.idempotency import IdempotencyDuplicateSkipped, IdempotencyKeyReused
-from dramatiq_reliable.outbox.relay import OutboxBatchPublished, OutboxBrokerUnavailable
+from dramatiq_reliable.outbox.events import OutboxBatchPublished, OutboxBrokerUnavailable
 from dramatiq_reliable.retries import RetryGaveUp, RetryScheduled
 
 WHO_WIDTH = 14
