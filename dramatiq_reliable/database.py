@@ -128,6 +128,24 @@ class Database:
         with self.pool.connection(timeout=timeout_ms / 1000 if timeout_ms else self._timeout_s) as conn:
             yield conn
 
+    @contextlib.contextmanager
+    def autocommit(self, *, timeout_ms: int | None = None) -> Iterator[psycopg.Connection[Any]]:
+        """Borrow a connection in autocommit (one round trip a statement), given back as it came.
+
+        The pool may be the application's, whose connections may not be in autocommit: one that
+        is not is rolled back first and put back in its own mode.
+        """
+        with self.connection(timeout_ms=timeout_ms) as conn:
+            previous = conn.autocommit
+            if not previous:
+                conn.rollback()
+                conn.autocommit = True
+            try:
+                yield conn
+            finally:
+                if not previous and not conn.closed and not conn.broken:
+                    conn.autocommit = False
+
     def open(self) -> None:
         """Open the pool now if this object created it (without waiting for a connection)."""
         if not self._opened:

@@ -324,7 +324,9 @@ class RowSending:
             attempt += 1
             try:
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
-                with self._autocommit(timeout_ms=max(500, remaining_ms) if remaining_ms > 0 else None) as pooled:
+                with self.database.autocommit(
+                    timeout_ms=max(500, remaining_ms) if remaining_ms > 0 else None
+                ) as pooled:
                     if in_worker and self._write_held(pooled, message, row):
                         return
                     self._execute(pooled, row)
@@ -348,23 +350,6 @@ class RowSending:
                     )
                     time.sleep(pause)
                     pause = min(pause * 2, 2.0)
-
-    @contextlib.contextmanager
-    def _autocommit(self, *, timeout_ms: int | None) -> Iterator[psycopg.Connection[Any]]:
-        """A pooled connection in autocommit (one round trip a statement), given back as it came.
-
-        The pool may be the application's, whose connections may not be in autocommit.
-        """
-        with self.database.connection(timeout_ms=timeout_ms) as conn:
-            previous = conn.autocommit
-            if not previous:
-                conn.rollback()
-                conn.autocommit = True
-            try:
-                yield conn
-            finally:
-                if not previous and not conn.closed and not conn.broken:
-                    conn.autocommit = False
 
     def _execute(self, conn: psycopg.Connection[Any], row: Row) -> None:
         if not self._checked_schema:

@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from support import TEST_QUEUE, Otel, QueueJanitor, Rabbit, new_queue_name, status_server
 
-from dramatiq_reliable import OutboxBroker, events, schema
+from dramatiq_reliable import OutboxBroker, PostgresBroker, events, schema
 from dramatiq_reliable._util import rabbitmq_reason, redact
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -303,6 +303,14 @@ def queue_name(rabbitmq_url: str, queues: QueueJanitor) -> str:
     name = new_queue_name()
     queues.add(name)
     return name
+
+
+@pytest.fixture
+def pg_broker(database_url: str, db_schema: str) -> Iterator[PostgresBroker]:
+    """A PostgresBroker on the test's schema (a module may define its own, with other options)."""
+    broker = PostgresBroker(database=database_url, schema=db_schema)
+    yield broker
+    broker.close()
 
 
 @pytest.fixture

@@ -445,3 +445,14 @@ def deployed_as(database_url: str, schema: str, sends_to: str) -> None:
             "SELECT nextval(pg_get_serial_sequence(%s, 'id'))",
             (psycopg.sql.Identifier(schema, sends_to).as_string(conn),),
         )
+
+
+def send_many(broker: Any, queue_name: str, count: int, **options: Any) -> None:
+    """Send ``count`` messages of a do-nothing actor ``<queue_name>_job`` (declared once) to ``queue_name``."""
+    import dramatiq
+
+    actor = broker.actors.get(f"{queue_name}_job") or dramatiq.actor(
+        lambda: None, actor_name=f"{queue_name}_job", queue_name=queue_name, broker=broker
+    )
+    for _ in range(count):
+        actor.send_with_options(**options)

@@ -210,7 +210,7 @@ class OutboxBroker(RowSending, RabbitmqBroker):
     @contextlib.contextmanager
     def _outbox(self) -> Iterator[psycopg.Connection[Any]]:
         """A pooled autocommit connection whose statements raise ``SchemaNotReady`` on an unmigrated schema."""
-        with self._autocommit(timeout_ms=None) as conn:
+        with self.database.autocommit() as conn:
             try:
                 yield conn
             except psycopg.errors.UndefinedTable as error:

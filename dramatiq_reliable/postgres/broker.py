@@ -235,7 +235,7 @@ class PostgresBroker(RowSending, Broker):
     @contextlib.contextmanager
     def _tables(self) -> Iterator[psycopg.Connection[Any]]:
         """A pooled autocommit connection whose statements raise ``SchemaNotReady`` on an unmigrated schema."""
-        with queue.pooled(self.database) as conn:
+        with self.database.autocommit() as conn:
             try:
                 yield conn
             except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as error:
@@ -244,7 +244,7 @@ class PostgresBroker(RowSending, Broker):
                 ) from error
 
     def _check_queue_table(self) -> None:
-        with queue.pooled(self.database) as conn:
+        with self.database.autocommit() as conn:
             schema.ensure_ready(conn, schema=self.schema, required=self.required_version, feature="queue")
 
     def _housekeeping(self, conn: psycopg.Connection[Any]) -> None:

@@ -183,7 +183,7 @@ class PostgresConsumer(Consumer):
     def _claim(self, limit: int) -> bool:
         lease = next(self._token)
         try:
-            with queue.pooled(self.broker.database) as conn:
+            with self.broker.database.autocommit() as conn:
                 rows = queue.claim(
                     conn,
                     self.broker.schema,
@@ -241,7 +241,7 @@ class PostgresConsumer(Consumer):
 
     def _nack_row(self, row_id: int, lease: int) -> None:
         try:
-            with queue.pooled(self.broker.database) as conn:
+            with self.broker.database.autocommit() as conn:
                 queue.nack(conn, self.broker.schema, row_id=row_id, lease=lease, xq_name=xq_name(self.queue_name))
         except _DB_ERRORS as error:
             # Dramatiq retries a post-process connection error until it succeeds.
@@ -256,7 +256,7 @@ class PostgresConsumer(Consumer):
         if not held:
             return
         try:
-            with queue.pooled(self.broker.database) as conn:
+            with self.broker.database.autocommit() as conn:
                 queue.release(conn, self.broker.schema, held)
         except _DB_ERRORS as error:
             logger.warning(

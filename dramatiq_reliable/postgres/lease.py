@@ -125,7 +125,7 @@ class Leases:
                     self._flushing = False
                     return
             try:
-                with queue.pooled(self.database) as conn:
+                with self.database.autocommit() as conn:
                     queue.ack(conn, self.schema, [(ack.row_id, ack.lease) for ack in batch])
             except (psycopg.Error, PoolTimeout) as error:
                 with self._lock:
@@ -167,7 +167,7 @@ class Leases:
             held = [(row_id, entry.lease) for row_id, entry in self._held.items()]
         if not held:
             return 0
-        with queue.pooled(self.database) as conn:
+        with self.database.autocommit() as conn:
             return queue.heartbeat(conn, self.schema, held, lease_ms=self.lease_ms)
 
     def _run(self) -> None:
@@ -178,7 +178,7 @@ class Leases:
                 self.beat()
                 if self._housekeeping is not None and time.monotonic() >= next_housekeeping:
                     next_housekeeping = time.monotonic() + self._housekeeping_ms / 1000
-                    with queue.pooled(self.database) as conn:
+                    with self.database.autocommit() as conn:
                         self._housekeeping(conn)
             except (psycopg.Error, PoolTimeout) as error:
                 logger.warning(

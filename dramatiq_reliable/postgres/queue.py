@@ -7,38 +7,18 @@ autocommit connection commits at once.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 from psycopg.rows import class_row, dict_row
 
 from .. import _sql
-from ..database import Database
 
 __all__ = ["QueueCounts"]
 
 Held = Sequence[tuple[int, int]]
-
-
-@contextlib.contextmanager
-def pooled(database: Database, *, timeout_ms: int | None = None) -> Iterator[psycopg.Connection[Any]]:
-    """A pooled connection in autocommit (one round trip a statement), restored on return.
-
-    The pool may be the application's: a connection goes back as it came.
-    """
-    with database.connection(timeout_ms=timeout_ms) as conn:
-        previous = conn.autocommit
-        if not previous:
-            conn.rollback()
-            conn.autocommit = True
-        try:
-            yield conn
-        finally:
-            if not previous and not conn.closed and not conn.broken:
-                conn.autocommit = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from psycopg import sql
 from support import capture_dead_letter, deployed_as
 
-from dramatiq_reliable import PostgresBroker
 from dramatiq_reliable.cli import ExitCode, main
 
 pytestmark = pytest.mark.integration
@@ -27,13 +25,6 @@ def replay(database_url: str, db_schema: str, capsys: pytest.CaptureFixture[str]
         return code, out, err
 
     return invoke
-
-
-@pytest.fixture
-def pg_broker(database_url: str, db_schema: str) -> Iterator[PostgresBroker]:
-    broker = PostgresBroker(database=database_url, schema=db_schema)
-    yield broker
-    broker.close()
 
 
 def _count(db: Any, db_schema: str, table: str) -> int:

@@ -10,16 +10,13 @@ with ``--rabbitmq-url`` or ``$RABBITMQ_URL``, or as the command's local default 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
-import dramatiq
 import psycopg
 import pytest
 from psycopg import sql
-from support import closed_port
+from support import closed_port, send_many
 
-from dramatiq_reliable import PostgresBroker
 from dramatiq_reliable.cli import ExitCode, common, main
 from dramatiq_reliable.testing import drain_outbox, wait_for
 
@@ -52,21 +49,6 @@ def status(database_url: str, db_schema: str, capsys: pytest.CaptureFixture[str]
     return invoke
 
 
-@pytest.fixture
-def pg_broker(database_url: str, db_schema: str) -> Iterator[PostgresBroker]:
-    broker = PostgresBroker(database=database_url, schema=db_schema)
-    yield broker
-    broker.close()
-
-
-def _send(broker: Any, queue_name: str, count: int, **options: Any) -> None:
-    actor = broker.actors.get(f"{queue_name}_job") or dramatiq.actor(
-        lambda: None, actor_name=f"{queue_name}_job", queue_name=queue_name, broker=broker
-    )
-    for _ in range(count):
-        actor.send_with_options(**options)
-
-
 def _age_queue_rows(db: psycopg.Connection[Any], db_schema: str, seconds: int) -> None:
     db.execute(
         sql.SQL("UPDATE {}.queue SET enqueued_at = enqueued_at - make_interval(secs => %s)").format(
@@ -87,7 +69,7 @@ def _entry(out: str, queue_name: str) -> dict[str, Any]:
 
 def test_a_postgres_queue_shows_its_postgres_depth_when_rabbitmq_answers(status, pg_broker, queue_name, rabbitmq_url):
     # Before: RabbitMQ's "no such queue" overwrote the depth with 0 and the check passed.
-    _send(pg_broker, queue_name, 2)
+    send_many(pg_broker, queue_name, 2)
     code, out, err = status("--json", "--rabbitmq-url", rabbitmq_url)
     assert code == ExitCode.OK, err
     entry = _entry(out, queue_name)
@@ -107,7 +89,7 @@ def test_a_postgres_queue_shows_its_postgres_depth_when_rabbitmq_answers(status,
 def test_the_age_of_the_oldest_ready_postgres_message_is_shown_and_can_be_checked(
     status, pg_broker, queue_name, db, db_schema, unconfigured
 ):
-    _send(pg_broker, queue_name, 1)
+    send_many(pg_broker, queue_name, 1)
     _age_queue_rows(db, db_schema, 300)
     code, out, err = status("--check", "--max-queue-age", "1m")
     assert code == ExitCode.CHECK_FAILED, err
@@ -127,7 +109,7 @@ def test_the_age_of_the_oldest_ready_postgres_message_is_shown_and_can_be_checke
 
 def test_a_postgres_broker_only_deployment_is_not_an_outage(status, pg_broker, queue_name, unconfigured):
     # Before: status read the default amqp://...@127.0.0.1:5672 and exited 3 (UNAVAILABLE).
-    _send(pg_broker, queue_name, 2)
+    send_many(pg_broker, queue_name, 2)
     code, out, err = status("--check")
     assert code == ExitCode.OK, err
     assert err == "" and "check passed" in out
@@ -157,7 +139,7 @@ def test_an_outbox_deployment_reads_the_default_rabbitmq_and_its_absence_is_an_o
     status, broker, queue_name, unconfigured
 ):
     # The outbox was used, so RabbitMQ is part of the deployment even with no URL configured.
-    _send(broker, queue_name, 1)
+    send_many(broker, queue_name, 1)
     code, out, err = status("--check")
     assert code == ExitCode.UNAVAILABLE
     port = unconfigured.rsplit(":", 1)[1].split("/")[0]
@@ -172,7 +154,7 @@ def test_an_outbox_deployment_whose_outbox_rows_were_deleted_still_reads_rabbitm
     status, broker, queue_name, unconfigured, db, db_schema
 ):
     # The relay's on_published="delete" leaves no row; the outbox's id sequence remembers.
-    _send(broker, queue_name, 1)
+    send_many(broker, queue_name, 1)
     db.execute(sql.SQL("DELETE FROM {}.outbox").format(sql.Identifier(db_schema)))
     code, _out, err = status("--check")
     assert code == ExitCode.UNAVAILABLE
@@ -183,7 +165,7 @@ def test_an_outbox_deployment_whose_outbox_rows_were_deleted_still_reads_rabbitm
 def test_a_configured_rabbitmq_is_always_read_and_down_is_an_outage(
     status, pg_broker, queue_name, no_rabbitmq_url, monkeypatch, how
 ):
-    _send(pg_broker, queue_name, 2)
+    send_many(pg_broker, queue_name, 2)
     if how == "option":
         monkeypatch.delenv("RABBITMQ_URL", raising=False)
         given: tuple[str, ...] = ("--rabbitmq-url", no_rabbitmq_url)
@@ -212,9 +194,9 @@ def test_a_queue_moving_to_rabbitmq_shows_the_sum_and_each_place(
     status, pg_broker, broker, queue_name, rabbit, rabbitmq_url
 ):
     # Step 2 of "moving to RabbitMQ": old rows wait in Postgres while new messages reach RabbitMQ.
-    _send(pg_broker, queue_name, 2)
-    _send(pg_broker, queue_name, 1, delay=600_000)
-    _send(broker, queue_name, 3)
+    send_many(pg_broker, queue_name, 2)
+    send_many(pg_broker, queue_name, 1, delay=600_000)
+    send_many(broker, queue_name, 3)
     assert drain_outbox(broker) == 3
     wait_for(lambda: rabbit.count(queue_name) == 3, message="the relay's 3 messages in RabbitMQ")
     code, out, err = status("--json", "--rabbitmq-url", rabbitmq_url)
@@ -234,8 +216,8 @@ def test_a_queue_moving_to_rabbitmq_shows_the_sum_and_each_place(
 def test_a_mixed_deployment_with_rabbitmq_down_is_an_outage_even_unconfigured(
     status, pg_broker, broker, queue_name, unconfigured
 ):
-    _send(pg_broker, queue_name, 2)
-    _send(broker, queue_name, 1)
+    send_many(pg_broker, queue_name, 2)
+    send_many(broker, queue_name, 1)
     code, out, err = status("--check")
     assert code == ExitCode.UNAVAILABLE
     assert "cannot reach RabbitMQ" in err
@@ -246,11 +228,11 @@ def test_a_mixed_deployment_with_rabbitmq_down_is_an_outage_even_unconfigured(
 def test_with_rabbitmq_skipped_an_outbox_deployments_depth_is_unknown_and_a_postgres_ones_known(
     status, pg_broker, broker, queue_name, db, db_schema
 ):
-    _send(pg_broker, queue_name, 2)
+    send_many(pg_broker, queue_name, 2)
     code, out, _ = status("--json", "--skip-rabbitmq")
     assert code == ExitCode.OK
     assert _entry(out, queue_name)["depth"] == 2  # the outbox was never used: no RabbitMQ part
-    _send(broker, f"{queue_name}_outbox", 1)
+    send_many(broker, f"{queue_name}_outbox", 1)
     code, out, _ = status("--json", "--skip-rabbitmq")
     assert code == ExitCode.OK
     document = json.loads(out)

@@ -11,12 +11,11 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import dramatiq
 import pytest
 from starlette.testclient import TestClient
-from support import capture_dead_letter, closed_port
+from support import capture_dead_letter, closed_port, send_many
 
-from dramatiq_reliable import OutboxBroker, PostgresBroker
+from dramatiq_reliable import OutboxBroker
 from dramatiq_reliable.testing import drain_outbox, wait_for
 from dramatiq_reliable.web import Access, create_app
 
@@ -45,21 +44,6 @@ def client_for() -> Iterator[Any]:
         client.__exit__(None, None, None)
 
 
-@pytest.fixture
-def pg_broker(database_url: str, db_schema: str) -> Iterator[PostgresBroker]:
-    broker = PostgresBroker(database=database_url, schema=db_schema)
-    yield broker
-    broker.close()
-
-
-def _send(broker: Any, queue_name: str, count: int, **options: Any) -> None:
-    actor = broker.actors.get(f"{queue_name}_job") or dramatiq.actor(
-        lambda: None, actor_name=f"{queue_name}_job", queue_name=queue_name, broker=broker
-    )
-    for _ in range(count):
-        actor.send_with_options(**options)
-
-
 def cell(page: str, testid: str, queue_name: str) -> str:
     """The text of the ``testid`` cell in ``queue_name``'s row of the overview."""
     row = page[page.index(f'data-queue="{queue_name}"') :]
@@ -82,7 +66,7 @@ def test_the_overview_shows_a_postgres_queues_depth_when_rabbitmq_answers(
     client_for, pg_broker, queue_name, database_url, db_schema, rabbitmq_url
 ):
     # Before: RabbitMQ's "no such queue" overwrote the Postgres depth with 0.
-    _send(pg_broker, queue_name, 2)
+    send_many(pg_broker, queue_name, 2)
     page = client_for(create_app(database_url, schema=db_schema, target="queue", rabbitmq_url=rabbitmq_url)).get("/")
     assert page.status_code == 200
     assert cell(page.text, "depth", queue_name) == "2 = 2 pg + 0 mq"
@@ -94,9 +78,9 @@ def test_the_overview_shows_a_postgres_queues_depth_when_rabbitmq_answers(
 def test_the_overview_of_a_queue_moving_to_rabbitmq_shows_the_sum_and_each_place(
     client_for, pg_broker, broker, queue_name, rabbit, rabbitmq_url, database_url, db_schema
 ):
-    _send(pg_broker, queue_name, 2)
-    _send(pg_broker, queue_name, 1, delay=600_000)
-    _send(broker, queue_name, 3)
+    send_many(pg_broker, queue_name, 2)
+    send_many(pg_broker, queue_name, 1, delay=600_000)
+    send_many(broker, queue_name, 3)
     assert drain_outbox(broker) == 3
     wait_for(lambda: rabbit.count(queue_name) == 3, message="the relay's 3 messages in RabbitMQ")
     page = client_for(create_app(broker=broker)).get("/fragments/overview")
@@ -108,7 +92,7 @@ def test_the_overview_of_a_queue_moving_to_rabbitmq_shows_the_sum_and_each_place
 def test_a_postgres_broker_page_shows_no_rabbitmq_banner(
     client_for, pg_broker, queue_name, database_url, db_schema, how
 ):
-    _send(pg_broker, queue_name, 2)
+    send_many(pg_broker, queue_name, 2)
     app = (
         create_app(broker=pg_broker) if how == "broker" else create_app(database_url, schema=db_schema, target="queue")
     )
@@ -121,7 +105,7 @@ def test_a_postgres_broker_page_shows_no_rabbitmq_banner(
 def test_a_rabbitmq_given_to_the_page_and_down_is_said_and_the_postgres_part_still_shown(
     client_for, pg_broker, queue_name, database_url, db_schema
 ):
-    _send(pg_broker, queue_name, 2)
+    send_many(pg_broker, queue_name, 2)
     down = f"amqp://guest:guest@127.0.0.1:{closed_port()}/%2F"
     page = client_for(create_app(database_url, schema=db_schema, target="queue", rabbitmq_url=down)).get("/")
     assert "cannot reach RabbitMQ" in page.text
