@@ -15,10 +15,16 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make
 
 
 def _planned(checkout: Path, target: str) -> str:
-    """What ``make -n target`` would run in ``checkout`` (a dry run: nothing is installed)."""
+    """What ``make -n target`` would run in ``checkout`` (a dry run: nothing is installed).
+
+    Run from ``make test`` itself (CI), a nested make prints "make[1]: Entering directory ..." with
+    the checkout's path first: the outer make's variables are left out, and so is that line.
+    """
+    outer = {"MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES"}
     result = subprocess.run(
-        ["make", "-n", "-f", str(ROOT / "Makefile"), target],
+        ["make", "--no-print-directory", "-n", "-f", str(ROOT / "Makefile"), target],
         cwd=checkout,
+        env={key: value for key, value in os.environ.items() if key not in outer},
         capture_output=True,
         text=True,
         check=True,
@@ -65,6 +71,6 @@ def test_make_test_checks_lint_formatting_and_types_before_the_tests(checkout: P
     plan = _planned(checkout, "test").splitlines()
     steps = [
         next(i for i, line in enumerate(plan) if word in line)
-        for word in ("ruff check", "ruff format --check", "mypy", "pytest")
+        for word in ("bin/ruff check", "bin/ruff format --check", "bin/mypy", "bin/pytest")
     ]
     assert steps == sorted(steps)
