@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ._checks import check_ms
+from ._tcp import bound_tcp
 from ._util import rabbitmq_error
 from .errors import ConfigurationError
 
@@ -31,7 +32,9 @@ class QueueDepths:
       parameters: pika connection parameters (or a list of them), e.g. ``broker.parameters``.
       rabbitmq_url: an AMQP URL instead of ``parameters`` (several separated by ``;``, as
         for the relay: the first that answers is read).
-      timeout_ms: socket and connection timeout for a URL given here.
+      timeout_ms: socket and connection timeout for a URL given here (whose connection also
+        gets TCP keepalives and ``TCP_USER_TIMEOUT``, as ``OutboxBroker``'s; ``parameters``
+        are used as they are, and a broker's already carry them).
     """
 
     def __init__(self, *, parameters: Any = None, rabbitmq_url: str | None = None, timeout_ms: int = 5000) -> None:
@@ -48,7 +51,8 @@ class QueueDepths:
                 item.stack_timeout = timeout_s
                 item.blocked_connection_timeout = timeout_s
                 item.connection_attempts = 1
-            parameters = parameters[0] if len(parameters) == 1 else parameters
+            # A reading blocked on a silently partitioned server ends within about 11 s.
+            parameters = bound_tcp(parameters[0] if len(parameters) == 1 else parameters)
         self._parameters = parameters
         self._connection: Any = None
         self._channel: Any = None

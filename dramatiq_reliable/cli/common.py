@@ -305,11 +305,14 @@ def configured_rabbitmq_url(args: argparse.Namespace) -> str | None:
 
 
 def rabbitmq_parameters(args: argparse.Namespace) -> Any:
-    """pika connection parameters of the command's URL (a list for several URLs)."""
+    """pika connection parameters of the command's URL (a list for several URLs), with TCP
+    keepalives and ``TCP_USER_TIMEOUT`` so a silent partition ends a command in seconds."""
     import pika
 
+    from .._tcp import bound_tcp
+
     parameters = [pika.URLParameters(part.strip()) for part in rabbitmq_url(args).split(";") if part.strip()]
-    return parameters[0] if len(parameters) == 1 else parameters
+    return bound_tcp(parameters[0] if len(parameters) == 1 else parameters)
 
 
 # No "word: ... @" before the example: redact() would take it for a user and password.

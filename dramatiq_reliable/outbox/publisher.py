@@ -40,6 +40,7 @@ from dramatiq.common import q_name
 from dramatiq.errors import BrokerConnectionError
 
 from .._checks import check_int, check_ms
+from .._tcp import DEFAULT_TCP_USER_TIMEOUT_MS, bound_tcp, check_tcp_user_timeout_ms
 from .._util import rabbitmq_error, rabbitmq_reason
 from ..errors import BrokerUnavailable
 
@@ -88,31 +89,50 @@ class PublishOutcome:
     timed_out: set[int] = dataclasses.field(default_factory=set)
 
 
-def bounded(parameters: Any, *, blocked_timeout_s: float) -> Any:
-    """``parameters`` (one ``pika.ConnectionParameters`` or a list) with the blocked wait bounded.
+def bounded(
+    parameters: Any, *, blocked_timeout_s: float, tcp_user_timeout_ms: int | None = DEFAULT_TCP_USER_TIMEOUT_MS
+) -> Any:
+    """``parameters`` (one ``pika.ConnectionParameters`` or a list) with every wait bounded.
 
     A connection RabbitMQ blocks (a memory or disk alarm) is dropped after ``blocked_timeout_s``
     instead of holding the relay forever, unless the URL sets ``blocked_connection_timeout``.
-    pika already bounds the connect (``socket_timeout`` 10 s, ``stack_timeout`` 15 s), and a
-    silent partition during a publish ends at the confirm timeout.  The heartbeat is left to the
-    URL and the server (60 s): the relay does not service a heartbeat while it waits for rows, so a
-    shorter one would only drop idle connections.
+    A silent partition (packets dropped, no RST) is noticed by the kernel within about 11 s
+    (keepalives and ``TCP_USER_TIMEOUT``, :func:`dramatiq_reliable._tcp.bound_tcp`), unless the
+    URL sets ``tcp_options``.  pika already bounds the connect (``socket_timeout`` 10 s,
+    ``stack_timeout`` 15 s).  The heartbeat is left to the URL and the server (60 s): the relay
+    does not service a heartbeat while it waits for rows, so a shorter one would only drop idle
+    connections, and the TCP options already bound a dead link.
     """
     for item in parameters if isinstance(parameters, list) else [parameters]:
         if item.blocked_connection_timeout is None:
             item.blocked_connection_timeout = blocked_timeout_s
-    return parameters
+    return bound_tcp(parameters, tcp_user_timeout_ms=tcp_user_timeout_ms)
 
 
 class Publisher:
-    """Publishes batches to RabbitMQ with pipelined confirms.  Not thread-safe: one per relay thread."""
+    """Publishes batches to RabbitMQ with pipelined confirms.  Not thread-safe: one per relay thread.
 
-    def __init__(self, parameters: Any, *, max_priority: int | None = None, confirm_timeout_ms: int = 30_000) -> None:
+    A publish never waits past ``confirm_timeout_ms`` on a connection that stopped answering:
+    the connection is then aborted (its socket closed without AMQP's closing handshake, which
+    would wait on the dead link too) and the unconfirmed rows stay unpublished for the next pass.
+    """
+
+    def __init__(
+        self,
+        parameters: Any,
+        *,
+        max_priority: int | None = None,
+        confirm_timeout_ms: int = 30_000,
+        tcp_user_timeout_ms: int | None = DEFAULT_TCP_USER_TIMEOUT_MS,
+    ) -> None:
         check_int("max_priority", max_priority, minimum=1, maximum=255, allow_none=True)
         check_ms("confirm_timeout_ms", confirm_timeout_ms, minimum=1)
+        check_tcp_user_timeout_ms(tcp_user_timeout_ms)
         self._declarer = RabbitmqBroker(middleware=[], max_priority=max_priority)
         self._confirm_timeout_s = confirm_timeout_ms / 1000
-        self._declarer.parameters = bounded(parameters, blocked_timeout_s=self._confirm_timeout_s)
+        self._declarer.parameters = bounded(
+            parameters, blocked_timeout_s=self._confirm_timeout_s, tcp_user_timeout_ms=tcp_user_timeout_ms
+        )
         self._channel: Any = None  # pika.channel.Channel (the asynchronous one) in confirm mode
         self._blocking_channel: Any = None
         self._next_tag = 0
@@ -128,8 +148,13 @@ class Publisher:
         self._reset()
         self._declarer.close()
 
-    def _reset(self) -> None:
+    def _reset(self, *, abort: bool = False) -> None:
+        """Forget the channel and connection.  ``abort``: the link may be dead (a confirm timed
+        out), so close the socket at once instead of sending AMQP close frames and waiting for
+        replies that may never come (measured: 137 s past a 30 s confirm timeout)."""
         self._channel = None
+        if abort:
+            self._abort()
         if self._blocking_channel is not None:
             try:
                 if self._blocking_channel.is_open:
@@ -143,6 +168,18 @@ class Publisher:
             logger.debug("error closing the publish connection", exc_info=True)
         # After a reconnect (maybe to a reset server), declare every queue again.
         self._declarer.queues_pending |= self._declarer.queues
+
+    def _abort(self) -> None:
+        connection = getattr(self._declarer.state, "connection", None)
+        if connection is None or not connection.is_open:
+            return
+        try:
+            # pika has no public abort: its transport's abort() closes the socket without
+            # flushing, and the next turn of the I/O loop reports the connection lost.
+            connection._impl._adapter_disconnect_stream()
+            connection.process_data_events(0)
+        except Exception:  # the expected outcome: pika reports the stream it just lost
+            logger.debug("aborted the publish connection", exc_info=True)
 
     def _open_channel(self) -> Any:
         if self._channel is not None and self._channel.is_open:
@@ -291,7 +328,7 @@ class Publisher:
             # it backs off and the others go through) from an outage (nothing is counted).
             unconfirmed = list(self._pending.values())
             self._pending = {}
-            self._reset()
+            self._reset(abort=True)
             self._check_connection(
                 BrokerUnavailable(f"RabbitMQ did not confirm {len(unconfirmed)} messages in {self._confirm_timeout_s}s")
             )
