@@ -121,11 +121,13 @@ class Netns:
 
     def _rules(self, port: int) -> list[tuple[str, ...]]:
         tag = ("-m", "comment", "--comment", self.tag)
-        # After DNAT the client's segments arrive for 127.0.0.1:port; the server's replies
-        # leave with that source port, through the veth, once de-NATed.
+        # After DNAT the client's segments arrive for 127.0.0.1:port.  The server's replies are
+        # matched by their connection's original source (the client), since the output device
+        # a filter rule sees for them is still loopback's, before the reply is de-NATed.
         return [
             ("INPUT", "-i", self.host_if, "-p", "tcp", "--dport", str(port), *tag, "-j", "DROP"),
-            ("OUTPUT", "-o", self.host_if, "-p", "tcp", "--sport", str(port), *tag, "-j", "DROP"),
+            ("OUTPUT", "-p", "tcp", "--sport", str(port), "-m", "conntrack", "--ctorigsrc", self.client_address,
+             *tag, "-j", "DROP"),  # fmt: skip
         ]
 
     def cut(self, port: int) -> None:
