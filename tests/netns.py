@@ -92,11 +92,14 @@ class Netns:
         _run("ip", "-n", self.name, "route", "add", "default", "via", self.host_address)
         # Let packets from the veth be routed to 127.0.0.1 (loopback is otherwise martian there).
         _run("sysctl", "-q", "-w", f"net.ipv4.conf.{self.host_if}.route_localnet=1")
-        tag = ("-m", "comment", "--comment", self.tag)
-        _run("iptables", "-t", "nat", "-A", "PREROUTING", "-i", self.host_if, "-d", self.host_address,
-             "-p", "tcp", *tag, "-j", "DNAT", "--to-destination", "127.0.0.1")  # fmt: skip
-        _run("iptables", "-t", "nat", "-A", "INPUT", "-i", self.host_if, "-p", "tcp", *tag,
-             "-j", "SNAT", "--to-source", "127.0.0.1")  # fmt: skip
+        tag = f"-m comment --comment {self.tag}"
+        nat = [
+            f"PREROUTING -i {self.host_if} -d {self.host_address} -p tcp {tag} -j DNAT --to-destination 127.0.0.1",
+            # Postgres then sees a local client: its pg_hba.conf is left alone.
+            f"INPUT -i {self.host_if} -p tcp {tag} -j SNAT --to-source 127.0.0.1",
+        ]
+        for rule in nat:
+            _run("iptables", "-t", "nat", "-A", *rule.split())
 
     # -- the client side ---------------------------------------------------------------------
 
@@ -120,15 +123,15 @@ class Netns:
     # -- the partition -----------------------------------------------------------------------
 
     def _rules(self, port: int) -> list[tuple[str, ...]]:
-        tag = ("-m", "comment", "--comment", self.tag)
+        tag = f"-m comment --comment {self.tag}"
         # After DNAT the client's segments arrive for 127.0.0.1:port.  The server's replies are
         # matched by their connection's original source (the client), since the output device
         # a filter rule sees for them is still loopback's, before the reply is de-NATed.
-        return [
-            ("INPUT", "-i", self.host_if, "-p", "tcp", "--dport", str(port), *tag, "-j", "DROP"),
-            ("OUTPUT", "-p", "tcp", "--sport", str(port), "-m", "conntrack", "--ctorigsrc", self.client_address,
-             *tag, "-j", "DROP"),  # fmt: skip
+        rules = [
+            f"INPUT -i {self.host_if} -p tcp --dport {port} {tag} -j DROP",
+            f"OUTPUT -p tcp --sport {port} -m conntrack --ctorigsrc {self.client_address} {tag} -j DROP",
         ]
+        return [tuple(rule.split()) for rule in rules]
 
     def cut(self, port: int) -> None:
         """Drop every packet between the client and the server on ``port``, both ways (no RST)."""

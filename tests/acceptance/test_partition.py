@@ -231,9 +231,7 @@ def test_worker_with_rabbitmq_cut_notices_within_the_bound_and_consumes_after_he
     """A worker whose RabbitMQ goes silent drops its consumer within NOTICE_BOUND_S (not the
     heartbeat's 65-130 s), reconnects after the heal and runs the message sent during the cut,
     once."""
-    task = dramatiq.actor(
-        lambda n, hold: None, actor_name="partition_effect", queue_name=queue_name, broker=broker
-    )
+    task = dramatiq.actor(lambda n, hold: None, actor_name="partition_effect", queue_name=queue_name, broker=broker)
     client = _worker(net, database_url, rabbitmq_url, effects, queue_name, tmp_path / "release")
     clients.append(client)
     client.expect("ready", timeout_s=30)
@@ -263,9 +261,7 @@ def test_worker_with_postgres_cut_mid_job_loses_no_job(
     """A job whose Postgres goes silent between its write and its commit is not lost: the commit
     fails within the bound, the message waits (its retry is written once Postgres is back) and it
     runs to one effect after the heal."""
-    task = dramatiq.actor(
-        lambda n, hold: None, actor_name="partition_effect", queue_name=queue_name, broker=broker
-    )
+    task = dramatiq.actor(lambda n, hold: None, actor_name="partition_effect", queue_name=queue_name, broker=broker)
     release = tmp_path / "release"
     client = _worker(net, database_url, rabbitmq_url, effects, queue_name, release)
     clients.append(client)
