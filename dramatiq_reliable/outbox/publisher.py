@@ -174,9 +174,12 @@ class Publisher:
         if connection is None or not connection.is_open:
             return
         try:
-            # pika has no public abort: its transport's abort() closes the socket without
-            # flushing, and the next turn of the I/O loop reports the connection lost.
-            connection._impl._adapter_disconnect_stream()
+            # pika has no public abort; its heartbeat checker ends a dead connection this way:
+            # the socket is closed without flushing, and the next turn of the I/O loop reports
+            # the connection lost with this error.
+            connection._impl._terminate_stream(
+                pika.exceptions.StreamLostError(f"aborted: no confirms within {self._confirm_timeout_s}s")
+            )
             connection.process_data_events(0)
         except Exception:  # the expected outcome: pika reports the stream it just lost
             logger.debug("aborted the publish connection", exc_info=True)

@@ -59,7 +59,7 @@ class _DeadLink:
         self.aborted = False
         self._impl = self
 
-    def _adapter_disconnect_stream(self) -> None:
+    def _terminate_stream(self, error: Exception) -> None:
         self.aborted = True
 
     def process_data_events(self, time_limit: float = 0) -> None:
