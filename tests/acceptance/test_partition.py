@@ -110,7 +110,8 @@ def net() -> Iterator[Netns]:
 
 @pytest.fixture
 def clients() -> Iterator[list[Client]]:
-    """Clients to stop after the test, even if it failed."""
+    """Clients to stop after the test, even if it failed (tests ask for it last, so the clients
+    stop before the schema and queues they use are dropped)."""
     started: list[Client] = []
     yield started
     for client in started:
@@ -126,7 +127,7 @@ def _figure(name: str, seconds: float, bound: float | str) -> None:
 
 
 def test_send_with_postgres_cut_raises_within_the_bound_and_loses_nothing(
-    net, clients, database_url, rabbitmq_url, db_schema, queue_name, db
+    net, database_url, rabbitmq_url, db_schema, queue_name, db, clients
 ):
     """An unbound send() on a silently cut Postgres raises within SEND_BOUND_S, not minutes; the
     sends that returned are in the outbox and the one that raised is not."""
@@ -159,7 +160,7 @@ def test_send_with_postgres_cut_raises_within_the_bound_and_loses_nothing(
 
 
 def test_relay_with_rabbitmq_cut_gives_up_within_the_bound_and_publishes_every_row_once_after_heal(
-    net, clients, broker, database_url, rabbitmq_url, db_schema, queue_name, rabbit
+    net, broker, database_url, rabbitmq_url, db_schema, queue_name, rabbit, clients
 ):
     """A relay whose RabbitMQ goes silent mid-publish gives the batch up within NOTICE_BOUND_S
     (before its 30 s confirm timeout, not 137 s after), keeps the rows, and after the heal
@@ -226,7 +227,7 @@ def _relay(broker: OutboxBroker) -> Relay:
 
 
 def test_worker_with_rabbitmq_cut_notices_within_the_bound_and_consumes_after_heal(
-    net, clients, broker, effects, database_url, rabbitmq_url, queue_name, db, tmp_path
+    net, broker, effects, database_url, rabbitmq_url, queue_name, db, tmp_path, clients
 ):
     """A worker whose RabbitMQ goes silent drops its consumer within NOTICE_BOUND_S (not the
     heartbeat's 65-130 s), reconnects after the heal and runs the message sent during the cut,
@@ -256,7 +257,7 @@ def test_worker_with_rabbitmq_cut_notices_within_the_bound_and_consumes_after_he
 
 
 def test_worker_with_postgres_cut_mid_job_loses_no_job(
-    net, clients, broker, effects, database_url, rabbitmq_url, queue_name, db, tmp_path
+    net, broker, effects, database_url, rabbitmq_url, queue_name, db, tmp_path, clients
 ):
     """A job whose Postgres goes silent between its write and its commit is not lost: the commit
     fails within the bound, the message waits (its retry is written once Postgres is back) and it
