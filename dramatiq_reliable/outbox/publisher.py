@@ -151,7 +151,7 @@ class Publisher:
     def _reset(self, *, abort: bool = False) -> None:
         """Forget the channel and connection.  ``abort``: the link may be dead (a confirm timed
         out), so close the socket at once instead of sending AMQP close frames and waiting for
-        replies that may never come (measured: 137 s past a 30 s confirm timeout)."""
+        replies that may never come (measured: 140 s past a 30 s confirm timeout)."""
         self._channel = None
         if abort:
             self._abort()
