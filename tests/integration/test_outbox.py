@@ -148,7 +148,9 @@ def test_a_delayed_message_waits_in_the_outbox_and_reaches_its_queue_without_an_
     assert drain_outbox(broker) == 0, "a row not yet due is not published"
     assert rabbit.count(dq_name(queue_name)) == 0 and rabbit.count(queue_name) == 0
     # Due now: the relay publishes it to the queue itself, where a worker runs it at once.
-    db.execute(psycopg.sql.SQL("UPDATE {}.outbox SET available_at = now()").format(psycopg.sql.Identifier(broker.schema)))
+    db.execute(
+        psycopg.sql.SQL("UPDATE {}.outbox SET available_at = now()").format(psycopg.sql.Identifier(broker.schema))
+    )
     assert drain_outbox(broker) == 1
     (body,) = rabbit.take_all(queue_name, expect=1)
     assert body["message_id"] == message.message_id and body["queue_name"] == queue_name
