@@ -92,3 +92,22 @@ def test_with_no_row_waiting_the_relay_keeps_its_idle_backoff(monkeypatch):
     monkeypatch.setattr(relay, "_probe", lambda: next(probes))
     assert relay._wait(60) == 63
     assert len(sleeps) == 3 and all(0.125 <= delay <= 0.25 for delay in sleeps)
+
+
+def test_a_long_backoff_on_an_outbox_broker_is_no_consumer_timeout_warning(caplog):
+    """The retry waits in Postgres, not unacked in a worker: RabbitMQ's consumer_timeout does not apply."""
+    import logging
+
+    import dramatiq
+
+    from dramatiq_reliable import ClassifiedRetries, build_middleware
+
+    broker = OutboxBroker(
+        url=_NOWHERE_AMQP, database=_NOWHERE_PG, middleware=build_middleware(retries=ClassifiedRetries())
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="dramatiq_reliable.retries"):
+            dramatiq.actor(broker=broker, actor_name="slow_retries", max_backoff=7_200_000)(lambda: None)
+        assert "consumer_timeout" not in caplog.text
+    finally:
+        broker.database.close()
