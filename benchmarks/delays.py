@@ -213,6 +213,7 @@ def run_case(kind: str, url: str, schema: str, args: argparse.Namespace, delays_
         sampling.set()
         sampler.join()
         rss_end = rss_mb(child.pid)
+        relay_lateness = published_lateness(schema) if kind == "delays" else []
     finally:
         if relay is not None and relay_thread is not None:
             relay.stop()
@@ -244,8 +245,26 @@ def run_case(kind: str, url: str, schema: str, args: argparse.Namespace, delays_
         "lateness_max_ms": float(max(lateness)) if lateness else None,
         "early_max_ms": float(-min(lateness)) if lateness and min(lateness) < 0 else 0.0,
     }
+    if relay_lateness:
+        # The relay's part of the lateness: its publish against the row's due time.
+        result["relay_lateness_p50_ms"] = percentile(relay_lateness, 0.50)
+        result["relay_lateness_p99_ms"] = percentile(relay_lateness, 0.99)
+        result["relay_lateness_max_ms"] = float(max(relay_lateness))
     log(f"{kind}: {json.dumps(result)}")
     return result
+
+
+def published_lateness(schema: str) -> list[int]:
+    """Each published row's publish time against its due time, in ms (its commit, if later)."""
+    with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+        rows = conn.execute(
+            sql.SQL(
+                "SELECT (extract(epoch FROM published_at - available_at) * 1000)::bigint FROM {} "
+                "WHERE published_at IS NOT NULL"
+            ).format(sql.Identifier(schema, "outbox"))
+        ).fetchall()
+        conn.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(schema, "outbox")))
+    return [int(row[0]) for row in rows]
 
 
 def read_runs(path: str) -> tuple[dict[str, list[int]], int]:
@@ -296,6 +315,7 @@ def main() -> None:
     delays_ms = [int(rng.uniform(60_000, 3_600_000) * scale) for _ in range(args.messages)]
     schema = f"perfdelay_{uuid.uuid4().hex[:8]}"
     migrate(DATABASE_URL, schema=schema)
+    load_before = round(os.getloadavg()[0], 2)  # other work on the machine, before and after
     try:
         with rabbitmq_node(args.rabbitmq_url, args.span_s) as (url, timeout_ms):
             ours = run_case("delays", url, schema, args, delays_ms)
@@ -310,6 +330,7 @@ def main() -> None:
                 "messages": args.messages,
                 "scaling": f"1-60 min compressed x{1 / scale:g} ({60 * scale:.1f}-{3600 * scale:.1f} s)",
                 "consumer_timeout_ms": timeout_ms,
+                "load_average_1m": [load_before, round(os.getloadavg()[0], 2)],
                 "worker_threads": args.threads,
                 "delays_rss_growth_mb": ours["rss_growth_mb"],
                 "baseline_rss_growth_mb": baseline["rss_growth_mb"],
@@ -318,6 +339,8 @@ def main() -> None:
                 "lateness_p50_ms": ours["lateness_p50_ms"],
                 "lateness_p99_ms": ours["lateness_p99_ms"],
                 "lateness_max_ms": ours["lateness_max_ms"],
+                "relay_lateness_p99_ms": ours.get("relay_lateness_p99_ms"),
+                "relay_lateness_max_ms": ours.get("relay_lateness_max_ms"),
                 "baseline_lateness_p50_ms": baseline["lateness_p50_ms"],
                 "baseline_lateness_p99_ms": baseline["lateness_p99_ms"],
                 "baseline_lateness_max_ms": baseline["lateness_max_ms"],
