@@ -23,12 +23,16 @@ What each number means, and why it matters:
   that failed while Postgres was down): out of reach of ``replay`` until
   ``dramatiq-reliable dead-letters import-xq`` moves them.  Read only when asked for
   (``xq_unstored=True``): it fetches the ``.XQ`` bodies, unacked, and puts them back.
-* ``outbox_backlog`` / ``outbox_oldest_age_s``: committed messages not yet published.  An old
-  row is the signal of a relay that quietly died.
+* ``outbox_backlog`` / ``outbox_oldest_age_s``: committed messages due and not yet published
+  (the age counts from when the row fell due).  An old row is the signal of a relay that
+  quietly died.
+* ``outbox_scheduled``: outbox rows waiting for their due time (delayed sends, retries'
+  backoff, delayed replays): they wait in Postgres, not in a worker, and are no backlog.
 * ``dead_letters`` / ``dead_letters_newest_age_s``: rows in the dead-letter table not yet
   replayed, and how recent the last failure is.
-* ``retries_waiting``: retries scheduled but not yet due, read from the outbox (so only where
-  the relay keeps published rows, ``on_published="mark"``); the command only, as it scans.
+* ``retries_waiting``: retries scheduled but not yet due, read from the outbox (the ones
+  scheduled by older versions, sent on to ``.DQ`` at once, only where the relay keeps
+  published rows, ``on_published="mark"``); the command only, as it scans.
 
 **Where a queue's messages are.**  A queue's messages can wait in two places: rows of the
 Postgres queue table (``PostgresBroker``) and messages in RabbitMQ (``OutboxBroker``, after the
@@ -136,6 +140,8 @@ class QueueHealth:
     outbox_backlog: int | None = None
     outbox_failing: int | None = None
     outbox_oldest_age_s: float | None = None
+    #: Outbox rows waiting for their due time: delays kept in Postgres, not a backlog.
+    outbox_scheduled: int | None = None
     dead_letters: int | None = None
     dead_letters_newest_age_s: float | None = None
     retries_waiting: int | None = None
@@ -227,6 +233,7 @@ class Health:
             "outbox_backlog": total("outbox_backlog"),
             "outbox_failing": total("outbox_failing"),
             "outbox_oldest_age_s": extreme("outbox_oldest_age_s", max),
+            "outbox_scheduled": total("outbox_scheduled"),
             "dead_letters": total("dead_letters"),
             "dead_letters_newest_age_s": extreme("dead_letters_newest_age_s", min),
             "retries_waiting": total("retries_waiting"),
@@ -338,7 +345,7 @@ def collect_health(
             if not facts.queue_table:
                 sources.discard("postgres")
             # What Postgres answered for is a number, zero included; "-" is for the unknown.
-            counted |= {"outbox_backlog", "outbox_failing"}
+            counted |= {"outbox_backlog", "outbox_failing", "outbox_scheduled"}
             if facts.dead_letters_table:
                 counted.add("dead_letters")
             if retries_waiting:
@@ -540,8 +547,10 @@ def _read_postgres(
             values = entry(row["queue_name"])
             values["outbox_backlog"] = (values.get("outbox_backlog") or 0) + int(row["backlog"])
             values["outbox_failing"] = (values.get("outbox_failing") or 0) + int(row["failing"])
-            age = round(float(row["oldest_age_s"]), 3)
-            values["outbox_oldest_age_s"] = max(values.get("outbox_oldest_age_s") or 0.0, age)
+            values["outbox_scheduled"] = (values.get("outbox_scheduled") or 0) + int(row["scheduled"])
+            if row["oldest_age_s"] is not None:  # None: every row of the queue is scheduled
+                age = round(float(row["oldest_age_s"]), 3)
+                values["outbox_oldest_age_s"] = max(values.get("outbox_oldest_age_s") or 0.0, age)
         if retries_waiting:
             counts = _retries_waiting(conn, schema)
             for queue_name, count in counts.items():

@@ -41,6 +41,7 @@ from dramatiq.middleware import Middleware, Retries, default_middleware
 from dramatiq.worker import Worker
 
 from . import events
+from .backing import postgres_backed
 from ._checks import check_ms, is_int
 from ._util import type_name as _type_name
 from .classify import (
@@ -377,11 +378,12 @@ class ClassifiedRetries(Middleware):
             rules_from(options.get("retry_rules"))
         except ConfigurationError as error:
             logger.error("actor %r: %s", actor.actor_name, error)
-        self._warn_if_beyond_consumer_timeout(
-            f"actor {actor.actor_name!r}",
-            options.get("max_backoff"),
-            options.get("max_retry_after_ms"),
-        )
+        if postgres_backed(broker) is None:  # a Postgres-backed broker keeps delays in Postgres
+            self._warn_if_beyond_consumer_timeout(
+                f"actor {actor.actor_name!r}",
+                options.get("max_backoff"),
+                options.get("max_retry_after_ms"),
+            )
 
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
         """Complain loudly about a middleware list on which retries cannot work as documented."""
@@ -483,7 +485,12 @@ class ClassifiedRetries(Middleware):
             self._give_up(broker, message, actor, decision, "deadline", attempt, max_retries)
             return
 
-        if self.consumer_timeout_ms is not None and delay > self.consumer_timeout_ms:
+        if (
+            self.consumer_timeout_ms is not None
+            and delay > self.consumer_timeout_ms
+            # OutboxBroker and PostgresBroker keep the delay in Postgres: no worker holds it.
+            and postgres_backed(broker) is None
+        ):
             logger.warning(
                 "retry of message %s is delayed %d ms, beyond consumer_timeout_ms=%d; RabbitMQ may close "
                 "the channel holding it (lower the delay or raise consumer_timeout)",

@@ -265,7 +265,8 @@ class RowSending:
         return body
 
     def _row(self, message: Message[Any], canonical: str, body: bytes) -> Row:
-        """The row's columns; ``queue_name`` is the queue the message was sent to (``.DQ`` when delayed)."""
+        """The row's columns; ``queue_name`` is the queue the message was sent to (``.DQ`` when delayed:
+        each broker readdresses a delayed row to the queue itself, as its delays wait in Postgres)."""
         return Row(
             queue_name=message.queue_name,
             message_id=message.message_id,

@@ -67,11 +67,14 @@ def _stats(args: argparse.Namespace) -> int:
         stats = outbox_stats(conn, schema_name=args.schema)
     backlog, failing, oldest_s = stats.backlog, stats.failing, stats.oldest_age_s
     if args.json:
-        output.print_json({"backlog": backlog, "failing": failing, "oldest_age_s": oldest_s})
+        output.print_json(
+            {"backlog": backlog, "failing": failing, "oldest_age_s": oldest_s, "scheduled": stats.scheduled}
+        )
         return ExitCode.OK
-    print(f"backlog  {output.count(backlog, 'row')} waiting for the relay")
-    print(f"failing  {output.count(failing, 'row')} failed to publish on their own; retried with backoff")
-    print(f"oldest   {output.age(oldest_s) if backlog else '-'}")
+    print(f"backlog    {output.count(backlog, 'row')} due, waiting for the relay")
+    print(f"failing    {output.count(failing, 'row')} failed to publish on their own; retried with backoff")
+    print(f"oldest     {output.age(oldest_s) if backlog else '-'}")
+    print(f"scheduled  {output.count(stats.scheduled, 'row')} waiting for their time (delays, retries' backoff)")
     return ExitCode.OK
 
 

@@ -211,4 +211,5 @@ class ProgressLog:
             return f"backlog unknown ({redact(first_line(error))})"
         waiting = output.count(stats.backlog, "row")
         oldest = f" (oldest {output.age(stats.oldest_age_s)})" if stats.backlog else ""
-        return f"{waiting} waiting{oldest}, {stats.failing:,} failing"
+        scheduled = f", {stats.scheduled:,} scheduled for later" if stats.scheduled else ""
+        return f"{waiting} waiting{oldest}, {stats.failing:,} failing{scheduled}"

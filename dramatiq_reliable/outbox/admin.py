@@ -25,11 +25,17 @@ __all__ = ["FailingRow", "OutboxStats", "failing_rows", "outbox_stats", "publish
 
 @dataclasses.dataclass(frozen=True)
 class OutboxStats:
-    """Rows waiting for the relay, those of them that failed on their own, and the oldest one's age."""
+    """Rows waiting for the relay, those of them that failed on their own, and the oldest one's age.
+
+    ``backlog`` counts rows due now (or failing); ``scheduled`` the rows waiting for their due
+    time (delayed sends, retries' backoff), which are no backlog.  ``oldest_age_s`` counts from
+    when the oldest backlog row fell due.
+    """
 
     backlog: int
     failing: int
     oldest_age_s: float
+    scheduled: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +68,10 @@ def outbox_stats(
         row = conn.cursor(row_factory=dict_row).execute(_sql.query("outbox_stats", schema_name)).fetchone()
     assert row is not None
     return OutboxStats(
-        backlog=int(row["backlog"]), failing=int(row["failing"]), oldest_age_s=round(float(row["oldest_age_s"]), 3)
+        backlog=int(row["backlog"]),
+        failing=int(row["failing"]),
+        oldest_age_s=round(float(row["oldest_age_s"]), 3),
+        scheduled=int(row["scheduled"]),
     )
 
 

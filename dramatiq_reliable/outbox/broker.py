@@ -54,9 +54,15 @@ class OutboxBroker(RowSending, RabbitmqBroker):
       instead, for apps that want every send tied to a transaction.  Sends Dramatiq makes inside
       a worker (retries, pipelines, callbacks) always use the outbox and are never refused:
       with RabbitMQ down they wait in Postgres instead of being acked away.
-    * the move of a delayed message from its ``.DQ`` queue, which the worker's consumer thread
-      makes when the eta passes, publishes straight to RabbitMQ with publisher confirms: the
-      delayed message stays unacked until that publish is confirmed, so nothing is lost.
+    * a delayed send (``delay=``, a retry's backoff, a replay with a delay) is a row like any
+      other, addressed to the queue itself and due at its eta: it waits in Postgres, and the
+      relay publishes it when due, so no worker holds it unacked for its delay (RabbitMQ's
+      ``consumer_timeout`` would close the channel under it) and worker memory does not grow
+      with delays.
+    * only messages already in a ``.DQ`` queue from an older version (or from a plain
+      ``RabbitmqBroker``) still take Dramatiq's way: the worker's consumer thread moves each
+      to its queue when its eta passes, publishing straight to RabbitMQ with publisher
+      confirms, and the delayed message stays unacked until that publish is confirmed.
 
     Middleware see ``before_enqueue`` and ``after_enqueue`` around the outbox insert, and, if
     the insert fails, an ``after_enqueue_failed(broker, message, delay, *, exception)`` hook when
@@ -152,10 +158,31 @@ class OutboxBroker(RowSending, RabbitmqBroker):
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
         """Write ``message`` to the outbox (or publish it, for a consumer-thread delay move)."""
         if isinstance(threading.current_thread(), ConsumerThread):
-            # The consumer thread moves a due message from .DQ to its queue; the source
-            # message is acked only after this publish succeeds, so publishing directly is safe.
+            # The consumer thread moves a due message from .DQ to its queue (only legacy .DQ
+            # messages: our own delays wait in the outbox); the source message is acked only
+            # after this publish succeeds, so publishing directly is safe.
             return RabbitmqBroker.enqueue(self, message, delay=delay)
         return super().enqueue(message, delay=delay)
+
+    def _row(self, message: Message[Any], canonical: str, body: bytes) -> Row:
+        """A delayed message's row goes to the queue itself, due at its eta, with no eta in its body.
+
+        Dramatiq would publish it to ``.DQ`` with an ``eta``, where a worker's consumer takes
+        it into memory, unacked until the eta: RabbitMQ's ``consumer_timeout`` then closes the
+        channel under it, redelivering everything the channel held, and worker memory grows
+        with every delay.  Here the row waits in Postgres instead (``available_at`` is its due
+        time, see ``outbox_insert.sql``) and the relay publishes it when due, to the queue the
+        workers run at once.  The message returned by ``send()`` and seen by the enqueue hooks
+        keeps Dramatiq's ``.DQ`` name and ``eta``.
+        """
+        row = super()._row(message, canonical, body)
+        if row["eta_ms"] is None:
+            return row
+        due = message.copy(queue_name=canonical)  # options copied: deleting below leaves the caller's
+        del due.options["eta"]
+        row["queue_name"] = canonical
+        row["body"] = self.encode(due, warn=False)
+        return row
 
     def _insert(self, conn: psycopg.Connection[Any], row: Row) -> None:
         conn.execute(_sql.query("outbox_insert", self.schema), row)

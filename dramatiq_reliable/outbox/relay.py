@@ -615,17 +615,26 @@ class Relay:
         """Sleep until rows may be claimable; return the idle step to resume the backoff from.
 
         Sleeps grow from about 1 ms to ``poll_interval_ms`` (jittered, so relays that went
-        idle together do not probe in lockstep), each followed by a probe of the outbox.  A
+        idle together do not probe in lockstep), each followed by a probe of the outbox, and
+        end early when the probe said a delayed row falls due sooner, so a delay is published
+        within milliseconds of its due time, never a poll interval late.  A
         NOTIFY (:func:`~.wake.wake_relays`) ends the wait at once and resets the backoff; a
         probe that sees rows ends it without a reset, so rows another relay holds locked (or
         that fail on their own) do not make this one spin.
         """
+        due_in_s: float | None = None
         while not self._stop.is_set():
             delay_s = wake.idle_delay_s(step, ceiling_s=self.poll_interval_s, first_s=wake.FIRST_IDLE_S)
+            if due_in_s is not None and due_in_s < delay_s:
+                # A delayed row falls due first: wake for it, not a poll interval later.
+                delay_s = max(due_in_s, wake.FIRST_IDLE_S)
             step += 1
             if self._sleep(delay_s):
                 return 0
-            if self._stop.is_set() or self._probe():
+            if self._stop.is_set():
+                return step
+            due_in_s = self._probe()
+            if due_in_s is not None and due_in_s <= 0:
                 return step
         return step
 
@@ -648,19 +657,20 @@ class Relay:
         finally:
             self._sleeping_s = None
 
-    def _probe(self) -> bool:
-        """Whether a pass would find rows: one autocommit query on the LISTEN connection.
+    def _probe(self) -> float | None:
+        """Seconds until the next row falls due (0 or less: a pass would find rows; ``None``: no
+        row waits): one autocommit query on the LISTEN connection.
 
-        Without one (``listen=False``) the pass itself is the probe.
+        Without one (``listen=False``) the pass itself is the probe (``0``).
         """
         if self._listener is None:
-            return True
+            return 0.0
         row = (
             self._listener.cursor(row_factory=dict_row)
             .execute(_sql.query("outbox_probe", self.schema), {"max_attempts": self.options.max_attempts or _INT_MAX})
             .fetchone()
         )
-        return bool(row and row["claimable"])
+        return None if row is None or row["due_in_s"] is None else float(row["due_in_s"])
 
 
 class _Batch:

@@ -30,13 +30,15 @@ WITH picked AS (
     RETURNING d.id, d.message_id, d.actor_name, d.message, d.sent_at, d.replayed_to,
               (extract(epoch FROM now()) * 1000)::bigint AS now_ms
 ), sent AS (
-    INSERT INTO {schema}.outbox (message_id, queue_name, actor_name, body, priority, eta)
+    -- A delayed replay waits here until due (available_at), addressed to the queue itself and
+    -- with no eta in its body, so no worker holds it unacked for its delay.
+    INSERT INTO {schema}.outbox (message_id, queue_name, actor_name, body, priority, eta, available_at)
     SELECT r.message_id,
-           r.replayed_to || CASE WHEN %(delay_ms)s::bigint IS NULL THEN '' ELSE '.DQ' END,
+           r.replayed_to,
            r.actor_name,
            convert_to(
                jsonb_build_object(
-                   'queue_name', r.replayed_to || CASE WHEN %(delay_ms)s::bigint IS NULL THEN '' ELSE '.DQ' END,
+                   'queue_name', r.replayed_to,
                    'actor_name', r.actor_name,
                    'args', coalesce(r.message -> 'args', '[]'::jsonb),
                    'kwargs', coalesce(r.message -> 'kwargs', jsonb_build_object()),
@@ -48,9 +50,7 @@ WITH picked AS (
                                   'sent_at_ms', (extract(epoch FROM r.sent_at) * 1000)::bigint,
                                   'replayed_at_ms', r.now_ms,
                                   'count', coalesce((r.message -> 'options' -> 'replay_of' ->> 'count')::int, 0) + 1
-                              ))
-                       || CASE WHEN %(delay_ms)s::bigint IS NULL THEN jsonb_build_object()
-                               ELSE jsonb_build_object('eta', r.now_ms + %(delay_ms)s::bigint) END,
+                              )),
                    'message_id', r.message_id,
                    -- a fresh timestamp: AgeLimit would otherwise drop the replay on arrival
                    'message_timestamp', r.now_ms
@@ -61,6 +61,8 @@ WITH picked AS (
                 THEN least(greatest((r.message -> 'options' ->> 'broker_priority')::numeric, 0), 255)::smallint
            END,
            CASE WHEN %(delay_ms)s::bigint IS NULL THEN NULL
+                ELSE to_timestamp((r.now_ms + %(delay_ms)s::bigint)::double precision / 1000) END,
+           CASE WHEN %(delay_ms)s::bigint IS NULL THEN now()
                 ELSE to_timestamp((r.now_ms + %(delay_ms)s::bigint)::double precision / 1000) END
     FROM replayed AS r
     ORDER BY r.id

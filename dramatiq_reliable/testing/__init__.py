@@ -55,7 +55,10 @@ def drain_outbox(
     max_attempts: int | None = RelayOptions.max_attempts,
     statement_timeout_ms: int = RelayOptions.statement_timeout_ms,
 ) -> int:
-    """Publish every committed outbox row of ``broker`` to RabbitMQ now; return the count.
+    """Publish every committed outbox row of ``broker`` that is due to RabbitMQ now; return the count.
+
+    A delayed message's row is due at its eta: until then it stays in the outbox (where
+    ``broker.join()`` still counts it), as a relay would leave it.
 
     The options are :class:`~dramatiq_reliable.Relay`'s (``on_published="delete"``, say); the
     drain runs on the calling thread and closes its RabbitMQ connection before it returns.

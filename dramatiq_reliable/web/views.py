@@ -271,7 +271,7 @@ def outbox(request: Request) -> Response:
     with settings.reads.get().connection() as conn:
         stats = outbox_stats(conn, schema_name=settings.schema)
         poison = failing_rows(conn, schema_name=settings.schema, limit=100)
-    rows = [item for item in health.queues if item.outbox_backlog]
+    rows = [item for item in health.queues if item.outbox_backlog or item.outbox_scheduled]
     return render(
         request,
         "outbox.html",

@@ -127,7 +127,7 @@ def test_cli_migrate_sql_stats_and_exit_codes(database_url, unmigrated_schema, r
         capture_output=True,
         text=True,
     )
-    assert json.loads(stats.stdout) == {"backlog": 0, "failing": 0, "oldest_age_s": 0.0}
+    assert json.loads(stats.stdout) == {"backlog": 0, "failing": 0, "oldest_age_s": 0.0, "scheduled": 0}
 
     unreachable = subprocess.run(
         _cli("outbox", "stats", "--schema", unmigrated_schema, database="postgresql://nobody:secret@127.0.0.1:1/x"),

@@ -95,16 +95,21 @@ def test_relay_once_says_why_rabbitmq_is_unreachable_once_then_publishes_and_cou
 
 
 def test_outbox_stats_counts_its_rows_in_words(run, broker, queue_name):
-    _actor(broker, queue_name).send()
+    task = _actor(broker, queue_name)
+    task.send()
+    task.send_with_options(delay=600_000)
     code, out, _ = run("outbox", "stats")
     assert code == ExitCode.OK
-    assert out.splitlines()[:2] == [
-        "backlog  1 row waiting for the relay",
-        "failing  0 rows failed to publish on their own; retried with backoff",
+    lines = out.splitlines()
+    assert lines[:2] == [
+        "backlog    1 row due, waiting for the relay",
+        "failing    0 rows failed to publish on their own; retried with backoff",
     ]
+    # The delayed message is no backlog: it waits in the outbox for its time.
+    assert lines[3] == "scheduled  1 row waiting for their time (delays, retries' backoff)"
     code, out, _ = run("outbox", "stats", "--json")
     document = json.loads(out)
-    assert document["backlog"] == 1 and document["failing"] == 0
+    assert document["backlog"] == 1 and document["failing"] == 0 and document["scheduled"] == 1
     # The row was sent a moment ago: an age in seconds (not ms, not null) well under a minute.
     assert isinstance(document["oldest_age_s"], (int, float)) and 0 <= document["oldest_age_s"] < 60
 

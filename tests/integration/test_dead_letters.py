@@ -446,8 +446,15 @@ def test_a_replay_can_go_to_another_queue_later_and_decodes_as_a_dramatiq_messag
     [(message_id, routing_key, body, eta)] = _outbox(db, db_schema)
     message = Message.decode(bytes(body))
     assert message_id == message.message_id == stored.message_id
-    assert routing_key == message.queue_name == "repair.DQ"
-    assert message.options["eta"] >= before + 60_000 and eta is not None
+    # The delay waits in the outbox: the row is due at its eta and goes to the queue itself,
+    # with no eta in the body (a worker would otherwise hold it unacked until then).
+    assert routing_key == message.queue_name == "repair"
+    assert "eta" not in message.options
+    assert eta is not None and eta.timestamp() * 1000 >= before + 60_000
+    [(available_at,)] = db.execute(
+        sql.SQL("SELECT available_at FROM {}.outbox").format(sql.Identifier(db_schema))
+    ).fetchall()
+    assert available_at == eta
     assert message.options["trace_context"] == {"traceparent": "00-ab"}
     assert "retries" not in message.options and "traceback" not in message.options
     assert message.message_timestamp >= before

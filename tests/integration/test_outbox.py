@@ -140,15 +140,22 @@ def test_missing_schema_names_the_migrate_command(rabbitmq_url, database_url, un
         bare.close()
 
 
-def test_delayed_messages_keep_eta_and_message_id(broker, queue_name, rabbit):
+def test_a_delayed_message_waits_in_the_outbox_and_reaches_its_queue_without_an_eta(broker, queue_name, rabbit, db):
     task = _actor(broker, queue_name)
-    before = int(time.time() * 1000)
     message = task.send_with_options(args=(1,), delay=60_000)
-    drain_outbox(broker)
-    (body,) = rabbit.take_all(dq_name(queue_name), expect=1)
-    assert body["message_id"] == message.message_id
-    assert before + 60_000 <= body["options"]["eta"] <= int(time.time() * 1000) + 60_000
-    assert rabbit.count(queue_name) == 0
+    # send() still returns Dramatiq's delayed message; the row is what waits.
+    assert message.queue_name == dq_name(queue_name) and "eta" in message.options
+    assert drain_outbox(broker) == 0, "a row not yet due is not published"
+    assert rabbit.count(dq_name(queue_name)) == 0 and rabbit.count(queue_name) == 0
+    # Due now: the relay publishes it to the queue itself, where a worker runs it at once.
+    db.execute(
+        psycopg.sql.SQL("UPDATE {}.outbox SET available_at = now()").format(psycopg.sql.Identifier(broker.schema))
+    )
+    assert drain_outbox(broker) == 1
+    (body,) = rabbit.take_all(queue_name, expect=1)
+    assert body["message_id"] == message.message_id and body["queue_name"] == queue_name
+    assert "eta" not in body["options"]
+    assert rabbit.count(dq_name(queue_name)) == 0
 
 
 def test_worker_runs_delayed_message_not_before_its_eta(broker, queue_name, worker):
@@ -176,9 +183,10 @@ def test_retry_enqueued_inside_a_worker_goes_through_the_outbox(broker, queue_na
     message = task.send()
     wait_for(lambda: len(attempts) == 2, timeout_ms=20000, message="the retry never ran")
     rows = _rows(db, db_schema)
-    # The original send and its retry, with the same message_id, the retry via the delay queue.
+    # The original send and its retry, with the same message_id; the retry waited in the outbox
+    # for its backoff and went to the queue itself, never through the delay queue.
     assert [row[0] for row in rows] == [message.message_id, message.message_id]
-    assert rows[1][1] == dq_name(queue_name)
+    assert rows[1][1] == queue_name
 
 
 def test_two_relays_in_parallel_publish_every_row_once(broker, queue_name, rabbit, db_schema):

@@ -72,7 +72,7 @@ def test_the_claim_walks_its_index_even_before_the_table_was_ever_analyzed(db, d
             )
         )
     assert "Sort" not in plan, plan
-    assert "Index Scan using outbox_unpublished" in plan, plan
+    assert "Index Scan using outbox_due" in plan, plan
 
 
 @pytest.mark.parametrize("coalesced", [True, False], ids=["frames-written-together", "basic-publish-fallback"])

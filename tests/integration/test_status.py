@@ -123,13 +123,15 @@ def test_json_reports_every_number_per_queue(run, broker, queue_name, db, db_sch
     task.send_with_options(delay=600_000, retries=2)  # a retry waiting in the outbox for its eta
     _age_outbox(db, db_schema, 30)
     _dead_letter(db, db_schema, queue_name)
-    code, out, err = run("--json", "--check", "--max-outbox-backlog", "1")
+    code, out, err = run("--json", "--check", "--max-outbox-backlog", "0")
     assert code == ExitCode.CHECK_FAILED, err
     document = json.loads(out)
     (entry,) = [q for q in document["queues"] if q["queue"] == queue_name]
     assert entry["depth"] == 1
     assert entry["delayed"] == 0 and entry["xq"] == 0
-    assert entry["outbox_backlog"] == 2
+    # The retry is scheduled, not a backlog: only the row due now counts against the threshold.
+    assert entry["outbox_backlog"] == 1
+    assert entry["outbox_scheduled"] == 1
     assert 30 <= entry["outbox_oldest_age_s"] < 60
     assert entry["dead_letters"] == 1
     assert 110 <= entry["dead_letters_newest_age_s"] < 200
@@ -137,7 +139,7 @@ def test_json_reports_every_number_per_queue(run, broker, queue_name, db, db_sch
     assert document["postgres"]["ok"] and document["rabbitmq"]["ok"]
     assert document["check"] == {
         "ok": False,
-        "problems": [f"queue {queue_name!r}: 2 unpublished outbox rows, over --max-outbox-backlog 1"],
+        "problems": [f"queue {queue_name!r}: 1 unpublished outbox row, over --max-outbox-backlog 0"],
     }
 
 
@@ -196,7 +198,8 @@ def test_collect_health_for_gauges_skips_the_scans_and_reports_backlog_queues(
     _actor(broker, queue_name).send_with_options(delay=600_000, retries=1)
     health = health_lib.collect_health(database=database_url, schema=db_schema, discover_queues=False)
     item = health.queue(queue_name)
-    assert item.outbox_backlog == 1  # the .DQ row is folded into its queue
+    # The delayed retry waits in the outbox for its time: scheduled, no backlog.
+    assert (item.outbox_backlog, item.outbox_scheduled) == (0, 1)
     assert item.retries_waiting is None  # not scanned unless asked
     assert health.rabbitmq_error is None and health.postgres_error is None
 
