@@ -33,6 +33,7 @@ from ..database import DatabaseLike
 from ..errors import SchemaNotReady
 from ..joining import join_until_empty
 from ..sending import DEFAULT_PAYLOAD_LIMIT_BYTES, Row, RowSending, TrackProcessing, Unbound
+from .consumer import ChannelBoundConsumer
 
 __all__ = ["OutboxBroker"]
 
@@ -131,6 +132,11 @@ class OutboxBroker(RowSending, RabbitmqBroker):
             **kwargs,
         )
         TrackProcessing.install(self)
+
+    @property
+    def consumer_class(self) -> type[ChannelBoundConsumer]:
+        """Acks and nacks go only to the channel that delivered the message (:mod:`.consumer`)."""
+        return ChannelBoundConsumer
 
     def close(self) -> None:
         """Close RabbitMQ connections and the pool this broker created."""
