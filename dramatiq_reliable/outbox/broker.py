@@ -28,12 +28,14 @@ from dramatiq.worker import ConsumerThread
 from psycopg.rows import dict_row
 
 from .. import _sql, schema
+from .._checks import check_ms
 from ..backing import SendsTo
 from ..database import DatabaseLike
 from ..errors import SchemaNotReady
 from ..joining import join_until_empty
 from ..sending import DEFAULT_PAYLOAD_LIMIT_BYTES, Row, RowSending, TrackProcessing, Unbound
 from .consumer import ChannelBoundConsumer
+from .long_jobs import DEFAULT_CONSUMER_TIMEOUT_MS, warn_if_too_long
 
 __all__ = ["OutboxBroker"]
 
@@ -83,6 +85,10 @@ class OutboxBroker(RowSending, RabbitmqBroker):
         transactional ``Idempotency`` job holds one for its whole run, so give it at least the
         worker's threads plus two (the relay and the dead letters); the worker warns otherwise.
       confirm_delivery: publisher confirms for the consumer thread's direct publishes.
+      consumer_timeout_ms: the RabbitMQ server's ``consumer_timeout`` (30 minutes by default).
+        An actor whose ``time_limit`` exceeds it runs under a Postgres lease when the broker has
+        the :class:`~dramatiq_reliable.outbox.LongJobs` middleware, and logs a warning when it
+        is declared otherwise (see :mod:`~dramatiq_reliable.outbox.long_jobs`).
       middleware, max_priority, parameters, **kwargs: as for ``RabbitmqBroker``.
 
     >>> broker = OutboxBroker(url="amqp://guest:guest@localhost:5672",
@@ -109,6 +115,7 @@ class OutboxBroker(RowSending, RabbitmqBroker):
         worker_write_timeout_ms: int = 30_000,
         pool_max_size: int = 10,
         confirm_delivery: bool = True,
+        consumer_timeout_ms: int = DEFAULT_CONSUMER_TIMEOUT_MS,
         middleware: list[Middleware] | None = None,
         max_priority: int | None = None,
         parameters: list[dict[str, Any]] | None = None,
@@ -131,12 +138,17 @@ class OutboxBroker(RowSending, RabbitmqBroker):
             parameters=parameters,
             **kwargs,
         )
+        self.consumer_timeout_ms = check_ms("consumer_timeout_ms", consumer_timeout_ms, minimum=1)
         TrackProcessing.install(self)
 
     @property
     def consumer_class(self) -> type[ChannelBoundConsumer]:
         """Acks and nacks go only to the channel that delivered the message (:mod:`.consumer`)."""
         return ChannelBoundConsumer
+
+    def declare_actor(self, actor: Any) -> None:
+        super().declare_actor(actor)
+        warn_if_too_long(self, actor, consumer_timeout_ms=self.consumer_timeout_ms)
 
     def close(self) -> None:
         """Close RabbitMQ connections and the pool this broker created."""

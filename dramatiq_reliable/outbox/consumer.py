@@ -31,7 +31,7 @@ from dramatiq.common import q_name
 from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message, get_encoder
 
-__all__ = ["ChannelBoundConsumer", "Delivery", "delivery_of"]
+__all__ = ["ChannelBoundConsumer", "Delivery", "ack_now", "delivery_of"]
 
 logger = logging.getLogger("dramatiq_reliable.outbox")
 
@@ -75,6 +75,8 @@ class _DeliveredMessage(MessageProxy):
         self._tag = delivery.delivery_tag
         self._delivery = delivery
         self._consumer = consumer
+        # Acked before the job ended (ack_now): the worker's own ack or reject is then a no-op.
+        self._settled = False
 
 
 def delivery_of(message: Any) -> Delivery | None:
@@ -88,10 +90,31 @@ def delivery_of(message: Any) -> Delivery | None:
     return delivery if isinstance(delivery, Delivery) else None
 
 
+def ack_now(message: Any) -> bool:
+    """Ack ``message``'s delivery now, on the channel that delivered it; whether that was possible.
+
+    For a job that keeps running after RabbitMQ has let go of it (a long job whose lease in
+    Postgres now holds it): the worker's ack or reject at the end is then skipped.  Returns
+    ``False`` when the message did not come from a ``ChannelBoundConsumer`` or its channel has
+    closed (RabbitMQ then delivers it again on its own).
+    """
+    consumer = message.__dict__.get("_consumer") if isinstance(message, _DeliveredMessage) else None
+    if not isinstance(consumer, ChannelBoundConsumer) or not consumer.channel.is_open:
+        return False
+    if not message._settled:
+        consumer.ack(message)
+        message._settled = True
+    return True
+
+
 def _delivery_count(properties: Any) -> int | None:
     headers = getattr(properties, "headers", None) or {}
     count = headers.get("x-delivery-count")
     return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
+def _settled(message: MessageProxy) -> bool:
+    return bool(message.__dict__.get("_settled", False))
 
 
 class ChannelBoundConsumer(_RabbitmqConsumer):
@@ -137,10 +160,16 @@ class ChannelBoundConsumer(_RabbitmqConsumer):
         return _DeliveredMessage(message, delivery, self)
 
     def ack(self, message: MessageProxy) -> None:
+        if _settled(message):
+            return
         if self._owns(message, "acking"):
             super().ack(message)  # type: ignore[no-untyped-call]
 
     def nack(self, message: MessageProxy) -> None:
+        if _settled(message):
+            # Acked at the start of a long job: RabbitMQ has nothing left to reject; DeadLetters
+            # keeps the failure in Postgres as for any other message.
+            return
         if self._owns(message, "rejecting"):
             super().nack(message)  # type: ignore[no-untyped-call]
 

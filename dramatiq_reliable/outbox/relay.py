@@ -46,6 +46,7 @@ from ..database import Database, DatabaseLike
 from ..errors import BrokerUnavailable, ConfigurationError, SchemaNotReady
 from . import wake
 from .events import OutboxBatchPublished, OutboxBrokerUnavailable, OutboxPublished, OutboxRowFailed, RelayedMessage
+from .long_jobs import reap_expired_leases
 from .publisher import Publication, Publisher, PublishOutcome
 
 __all__ = [
@@ -55,6 +56,9 @@ __all__ = [
     "RelayPass",
     "WorkerRelay",
 ]
+
+#: How often a running relay looks for long jobs whose lease ran out (one indexed query).
+_REAP_INTERVAL_S = 1.0
 
 logger = logging.getLogger("dramatiq_reliable.outbox.relay")
 
@@ -513,6 +517,11 @@ class Relay:
 
     # -- the loop --------------------------------------------------------------------------
 
+    def reap_leases(self) -> int:
+        """Put the long jobs whose worker died (lease ran out) back in the outbox; how many."""
+        with self.database.autocommit() as conn:
+            return reap_expired_leases(conn, self.schema)
+
     def stop(self) -> None:
         """Ask :meth:`run` to return after the batch in hand; safe from signal handlers."""
         self._stop.set()
@@ -531,7 +540,7 @@ class Relay:
         # Consecutive idle steps: the backoff between probes grows with it, a pass that
         # publishes resets it.
         idle_step = 0
-        next_purge = time.monotonic()
+        next_purge = next_reap = time.monotonic()
         logger.info("outbox relay started on schema %r", self.schema)
         try:
             while not self._stop.is_set():
@@ -545,6 +554,9 @@ class Relay:
                     if self.retention_ms is not None and time.monotonic() >= next_purge:
                         self.purge()
                         next_purge = time.monotonic() + self.purge_interval_s
+                    if time.monotonic() >= next_reap:
+                        next_reap = time.monotonic() + _REAP_INTERVAL_S
+                        published += self.reap_leases()  # requeued rows are published on the next pass
                     if published:
                         # Rows arrive in runs: the next ones are probably committed already.
                         idle_step = 0
