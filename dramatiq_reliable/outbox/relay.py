@@ -221,6 +221,7 @@ class Relay:
         self.on_published = self.options.on_published
         self.retention_ms = self.options.retention_ms
         self.purge_interval_s = self.options.purge_interval_ms / 1000
+        self._next_reap = 0.0
         self.backoff_min_s = self.options.backoff_min_ms / 1000
         self.backoff_max_s = self.options.backoff_max_ms / 1000
         self.row_backoff_max_s = self.options.row_backoff_max_ms / 1000
@@ -540,7 +541,7 @@ class Relay:
         # Consecutive idle steps: the backoff between probes grows with it, a pass that
         # publishes resets it.
         idle_step = 0
-        next_purge = next_reap = time.monotonic()
+        next_purge = time.monotonic()
         logger.info("outbox relay started on schema %r", self.schema)
         try:
             while not self._stop.is_set():
@@ -554,9 +555,7 @@ class Relay:
                     if self.retention_ms is not None and time.monotonic() >= next_purge:
                         self.purge()
                         next_purge = time.monotonic() + self.purge_interval_s
-                    if time.monotonic() >= next_reap:
-                        next_reap = time.monotonic() + _REAP_INTERVAL_S
-                        published += self.reap_leases()  # requeued rows are published on the next pass
+                    published += self._reap_if_due()  # requeued rows are published on the next pass
                     if published:
                         # Rows arrive in runs: the next ones are probably committed already.
                         idle_step = 0
@@ -637,9 +636,16 @@ class Relay:
             step += 1
             if self._sleep(delay_s):
                 return 0
-            if self._stop.is_set() or self._probe():
+            if self._stop.is_set() or self._probe() or self._reap_if_due():
                 return step
         return step
+
+    def _reap_if_due(self) -> int:
+        """Reap leases of long jobs at most every ``_REAP_INTERVAL_S``, idle or busy; how many."""
+        if time.monotonic() < self._next_reap:
+            return 0
+        self._next_reap = time.monotonic() + _REAP_INTERVAL_S
+        return self.reap_leases()
 
     def _sleep(self, delay_s: float) -> bool:
         """Sleep ``delay_s``; ``True`` if a NOTIFY ended it early (``stop()`` also ends it)."""
