@@ -17,9 +17,10 @@ from typing import Any
 import dramatiq
 import pytest
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from dramatiq.middleware import Middleware
 from support import Rabbit
 
-from dramatiq_reliable.outbox import OutboxBroker
+from dramatiq_reliable.outbox import Delivery, OutboxBroker, delivery_of
 from dramatiq_reliable.testing import wait_for
 
 pytestmark = pytest.mark.integration
@@ -39,10 +40,22 @@ def close_consumer_channel(worker: dramatiq.Worker, queue_name: str) -> Any:
     return consumer
 
 
+class _Deliveries(Middleware):
+    """Records what each delivery of the long job knew, as any middleware can ask."""
+
+    def __init__(self, seen: list[Delivery | None]) -> None:
+        self.seen = seen
+
+    def before_process_message(self, broker: dramatiq.Broker, message: dramatiq.MessageProxy) -> None:
+        if message.args == ("long",):
+            self.seen.append(delivery_of(message))
+
+
 def test_a_late_ack_after_a_channel_close_never_removes_another_message(
     broker: OutboxBroker, queue_name: str, rabbit: Rabbit
 ) -> None:
     runs: Counter[str] = Counter()
+    deliveries: list[Delivery | None] = []
     first_started, first_release = threading.Event(), threading.Event()
     copy_started, copy_release = threading.Event(), threading.Event()
 
@@ -56,6 +69,7 @@ def test_a_late_ack_after_a_channel_close_never_removes_another_message(
             copy_started.set()
             copy_release.wait(20)
 
+    broker.add_middleware(_Deliveries(deliveries))
     worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=1)
     second: dramatiq.Worker | None = None
     worker.start()
@@ -88,6 +102,12 @@ def test_a_late_ack_after_a_channel_close_never_removes_another_message(
         second.start()
         wait_for(lambda: runs["other"] >= 1, message="the other message survived the stale ack and ran")
         wait_for(lambda: rabbit.count(queue_name) == 0, message="nothing left in the queue")
+        # What the two deliveries of the long job knew: the same tag-number space, different channels.
+        first, copy = deliveries
+        assert first is not None and copy is not None
+        assert (first.redelivered, copy.redelivered) == (False, True)
+        assert first.channel_id != copy.channel_id and first.queue_name == queue_name
+        assert (first.delivery_count, copy.delivery_count) == (None, None)  # a classic queue has none
     finally:
         first_release.set()
         copy_release.set()
