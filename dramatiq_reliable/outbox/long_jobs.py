@@ -328,7 +328,9 @@ class LongJobs(Middleware):
     def after_nack(self, broker: Broker, message: MessageProxy) -> None:
         self._release(message)
 
-    def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
+    def after_worker_shutdown(self, broker: Broker, worker: Any) -> None:
+        # After, not before: a graceful stop waits for running jobs, whose leases must live on
+        # meanwhile, or a relay would requeue a job that is still running.
         self._heartbeat.stop()
 
     def _release(self, message: MessageProxy) -> None:
