@@ -242,6 +242,12 @@ class LongJobs(Middleware):
             backing = backing_of(
                 broker, needed_by="LongJobs", database=self._own_database, schema=self._schema, error=ActorOptionError
             )
+            if backing.sends_to != "outbox":
+                raise ActorOptionError(
+                    f"LongJobs is for RabbitMQ brokers that send through the outbox (OutboxBroker), not "
+                    f"{type(broker).__name__}; remove it: PostgresBroker already holds running jobs under a lease "
+                    "and no consumer_timeout applies"
+                )
             self._target = (backing.database, backing.schema)
 
     def is_long_running(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> bool:

@@ -25,7 +25,7 @@ from rabbitmq_nodes import RabbitNode
 from support import Rabbit
 
 from dramatiq_reliable import Idempotency, WorkerRelay, job_connection
-from dramatiq_reliable.errors import ConfigurationError
+from dramatiq_reliable.errors import ActorOptionError, ConfigurationError
 from dramatiq_reliable.health import collect_health
 from dramatiq_reliable.outbox import LongJobs, OutboxBroker
 from dramatiq_reliable.outbox.long_jobs import leased_jobs, reap_expired_leases
@@ -224,3 +224,9 @@ def test_an_actor_longer_than_the_consumer_timeout_is_warned_about_unless_it_run
     finally:
         plain.close()
         leased.close()
+
+
+def test_long_jobs_refuses_a_postgres_broker(pg_broker: Any) -> None:
+    pg_broker.add_middleware(LongJobs())
+    with pytest.raises(ActorOptionError, match="PostgresBroker already holds running jobs under a lease"):
+        dramatiq.actor(lambda: None, broker=pg_broker, actor_name="job", long_running=True)
