@@ -147,6 +147,10 @@ class QueueHealth:
     retries_waiting: int | None = None
     #: PostgresBroker queues: the age of the oldest message ready to run.
     queue_oldest_age_s: float | None = None
+    #: Long jobs (``LongJobs``) running under a lease, and those of them past their lease (their
+    #: worker stopped; a relay requeues them); ``None`` on a schema without leases.
+    long_jobs: int | None = None
+    long_jobs_expired: int | None = None
     #: The queue's rows in the Postgres queue table (``PostgresBroker``); ``None`` when not read.
     in_postgres: SourceCounts | None = None
     #: The queue's messages in RabbitMQ; ``None`` when not read (a queue RabbitMQ does not have
@@ -237,6 +241,8 @@ class Health:
             "dead_letters": total("dead_letters"),
             "dead_letters_newest_age_s": extreme("dead_letters_newest_age_s", min),
             "retries_waiting": total("retries_waiting"),
+            "long_jobs": total("long_jobs"),
+            "long_jobs_expired": total("long_jobs_expired"),
         }
 
 
@@ -350,6 +356,8 @@ def collect_health(
                 counted.add("dead_letters")
             if retries_waiting:
                 counted.add("retries_waiting")
+            if facts.long_jobs_table:
+                counted |= {"long_jobs", "long_jobs_expired"}
             for values in rows.values():
                 for field in counted:
                     values.setdefault(field, 0)
@@ -520,6 +528,7 @@ class _PostgresFacts:
     queue_table: bool = False
     #: Whether anything was ever written to the outbox; ``None`` when not asked or not readable.
     outbox_used: bool | None = None
+    long_jobs_table: bool = False
 
 
 def _read_postgres(
@@ -572,7 +581,15 @@ def _read_postgres(
                     age = round(float(row["newest_age_s"]), 3)
                     previous = values.get("dead_letters_newest_age_s")
                     values["dead_letters_newest_age_s"] = age if previous is None else min(previous, age)
-    return _PostgresFacts(dead_letters_table=exists, queue_table=queue_table, outbox_used=used)
+        long_jobs = _schema.table_exists(conn, schema, "job_leases")
+        if long_jobs:
+            for row in rows.execute(_sql.query("status_long_jobs", schema)).fetchall():
+                values = entry(row["queue_name"])
+                values["long_jobs"] = int(row["running"])
+                values["long_jobs_expired"] = int(row["expired"])
+    return _PostgresFacts(
+        dead_letters_table=exists, queue_table=queue_table, outbox_used=used, long_jobs_table=long_jobs
+    )
 
 
 def _read_postgres_queues(

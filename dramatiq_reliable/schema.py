@@ -30,6 +30,7 @@ __all__ = [
     "DEAD_LETTERS_VERSION",
     "IDEMPOTENCY_VERSION",
     "LATEST_VERSION",
+    "LONG_JOBS_VERSION",
     "OUTBOX_VERSION",
     "QUEUE_VERSION",
     "SCHEDULER_VERSION",
@@ -52,6 +53,8 @@ DEAD_LETTERS_VERSION = 3
 QUEUE_VERSION = 4
 # Schedules, their ticks, singleton leases and checkpoints.
 SCHEDULER_VERSION = 5
+# Leases of long jobs (OutboxBroker's LongJobs): created by 9.
+LONG_JOBS_VERSION = 9
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 

@@ -237,6 +237,13 @@ def render_table(health: Health) -> str:
         notes.append(f"RabbitMQ not read: {health.rabbitmq_skipped}")
     if health.dead_letters_table is False:
         notes.append("no dead-letter table in this schema: dead letters are not counted")
+    long_jobs = sum(item.long_jobs or 0 for item in health.queues)
+    if long_jobs:
+        expired = sum(item.long_jobs_expired or 0 for item in health.queues)
+        notes.append(
+            f"long jobs running under a lease: {long_jobs}"
+            + (f", {expired} past their lease (worker gone; a relay requeues them)" if expired else "")
+        )
     return "\n".join([text, *(f"({note})" for note in notes)])
 
 

@@ -29,11 +29,14 @@ from psycopg.rows import dict_row
 
 from .. import _sql, schema
 from .._tcp import DEFAULT_TCP_USER_TIMEOUT_MS, bound_tcp, check_tcp_user_timeout_ms
+from .._checks import check_ms
 from ..backing import SendsTo
 from ..database import DatabaseLike
 from ..errors import SchemaNotReady
 from ..joining import join_until_empty
 from ..sending import DEFAULT_PAYLOAD_LIMIT_BYTES, Row, RowSending, TrackProcessing, Unbound
+from .consumer import ChannelBoundConsumer
+from .long_jobs import DEFAULT_CONSUMER_TIMEOUT_MS, warn_if_too_long
 
 __all__ = ["OutboxBroker"]
 
@@ -94,6 +97,10 @@ class OutboxBroker(RowSending, RabbitmqBroker):
         an answer before dropping it: TCP keepalives and ``TCP_USER_TIMEOUT``, so a silent
         partition (packets dropped, no RST) ends in about 11 s instead of the heartbeat's 65-130 s.
         A URL's ``?tcp_options=...`` wins; ``None`` sets nothing.
+      consumer_timeout_ms: the RabbitMQ server's ``consumer_timeout`` (30 minutes by default).
+        An actor whose ``time_limit`` exceeds it runs under a Postgres lease when the broker has
+        the :class:`~dramatiq_reliable.outbox.LongJobs` middleware, and logs a warning when it
+        is declared otherwise (see :mod:`~dramatiq_reliable.outbox.long_jobs`).
       middleware, max_priority, parameters, **kwargs: as for ``RabbitmqBroker``.
 
     >>> broker = OutboxBroker(url="amqp://guest:guest@localhost:5672",
@@ -121,6 +128,7 @@ class OutboxBroker(RowSending, RabbitmqBroker):
         pool_max_size: int = 10,
         confirm_delivery: bool = True,
         tcp_user_timeout_ms: int | None = DEFAULT_TCP_USER_TIMEOUT_MS,
+        consumer_timeout_ms: int = DEFAULT_CONSUMER_TIMEOUT_MS,
         middleware: list[Middleware] | None = None,
         max_priority: int | None = None,
         parameters: list[dict[str, Any]] | None = None,
@@ -146,7 +154,17 @@ class OutboxBroker(RowSending, RabbitmqBroker):
         )
         # Dramatiq's consumers connect with these parameters too, so this bounds the workers.
         bound_tcp(self.parameters, tcp_user_timeout_ms=tcp_user_timeout_ms)
+        self.consumer_timeout_ms = check_ms("consumer_timeout_ms", consumer_timeout_ms, minimum=1)
         TrackProcessing.install(self)
+
+    @property
+    def consumer_class(self) -> type[ChannelBoundConsumer]:
+        """Acks and nacks go only to the channel that delivered the message (:mod:`.consumer`)."""
+        return ChannelBoundConsumer
+
+    def declare_actor(self, actor: Any) -> None:
+        super().declare_actor(actor)
+        warn_if_too_long(self, actor, consumer_timeout_ms=self.consumer_timeout_ms)
 
     def close(self) -> None:
         """Close RabbitMQ connections and the pool this broker created."""
