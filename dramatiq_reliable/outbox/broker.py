@@ -28,8 +28,8 @@ from dramatiq.worker import ConsumerThread
 from psycopg.rows import dict_row
 
 from .. import _sql, schema
-from .._tcp import DEFAULT_TCP_USER_TIMEOUT_MS, bound_tcp, check_tcp_user_timeout_ms
 from .._checks import check_ms
+from .._tcp import DEFAULT_TCP_USER_TIMEOUT_MS, bound_tcp, check_tcp_user_timeout_ms
 from ..backing import SendsTo
 from ..database import DatabaseLike
 from ..errors import SchemaNotReady
