@@ -43,7 +43,7 @@ from .._checks import check_bool, check_ms
 from .._util import first_line
 from ..backing import backing_of
 from ..database import Database, DatabaseLike
-from ..errors import ActorOptionError, ConfigurationError
+from ..errors import ActorOptionError, ConfigurationError, SchemaNotReady
 from ..idempotency.context import current_running
 from .consumer import ack_now
 
@@ -273,25 +273,19 @@ class LongJobs(Middleware):
             return
         self._bind(broker)
         token = secrets.randbits(62)
-        with self.database.autocommit() as conn:
-            schema.ensure_ready(conn, schema=self.schema, required=schema.LONG_JOBS_VERSION, feature="long jobs")
-            row = (
-                conn.cursor(row_factory=dict_row)
-                .execute(
-                    _sql.query("job_lease_take", self.schema),
-                    {
-                        "message_id": message.message_id,
-                        "queue_name": message.queue_name,
-                        "actor_name": message.actor_name,
-                        "body": message.encode(),
-                        "priority": message.options.get("broker_priority"),
-                        "owner": _OWNER,
-                        "token": token,
-                        "lease_s": self.lease_ms / 1000,
-                    },
-                )
-                .fetchone()
+        try:
+            row = self._take(message, token)
+        except (psycopg.Error, PoolTimeout, SchemaNotReady) as error:
+            # Fail open, as plain Dramatiq: the job runs on its unacked delivery, which RabbitMQ
+            # keeps (and may deliver again past consumer_timeout), so nothing is lost.
+            logger.warning(
+                "long job %r (%s) runs without a lease: %s: %s; RabbitMQ keeps its delivery meanwhile",
+                message.message_id,
+                message.actor_name,
+                type(error).__name__,
+                first_line(error),
             )
+            return
         if row is None:
             # Another worker runs it under a live lease: this copy is acked and skipped.
             logger.warning(
@@ -307,6 +301,28 @@ class LongJobs(Middleware):
                 "long job %r: its delivery could not be acked early (its channel closed); RabbitMQ delivers it "
                 "again and that copy is skipped while this lease lives",
                 message.message_id,
+            )
+
+    def _take(self, message: MessageProxy, token: int) -> dict[str, Any] | None:
+        """Write and commit the lease of ``message``; ``None`` when another worker holds a live one."""
+        with self.database.autocommit() as conn:
+            schema.ensure_ready(conn, schema=self.schema, required=schema.LONG_JOBS_VERSION, feature="long jobs")
+            return (
+                conn.cursor(row_factory=dict_row)
+                .execute(
+                    _sql.query("job_lease_take", self.schema),
+                    {
+                        "message_id": message.message_id,
+                        "queue_name": message.queue_name,
+                        "actor_name": message.actor_name,
+                        "body": message.encode(),
+                        "priority": message.options.get("broker_priority"),
+                        "owner": _OWNER,
+                        "token": token,
+                        "lease_s": self.lease_ms / 1000,
+                    },
+                )
+                .fetchone()
             )
 
     def after_process_message(
