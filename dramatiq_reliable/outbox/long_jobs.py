@@ -222,6 +222,7 @@ class LongJobs(Middleware):
         self._schema = schema
         self._target: tuple[Database, str] | None = None
         self._heartbeat = _Heartbeat(self)
+        self._ready = False
 
     @property
     def actor_options(self) -> set[str]:
@@ -306,7 +307,10 @@ class LongJobs(Middleware):
     def _take(self, message: MessageProxy, token: int) -> dict[str, Any] | None:
         """Write and commit the lease of ``message``; ``None`` when another worker holds a live one."""
         with self.database.autocommit() as conn:
-            schema.ensure_ready(conn, schema=self.schema, required=schema.LONG_JOBS_VERSION, feature="long jobs")
+            if not self._ready:
+                # Once per process: a schema does not go back to an older version.
+                schema.ensure_ready(conn, schema=self.schema, required=schema.LONG_JOBS_VERSION, feature="long jobs")
+                self._ready = True
             return (
                 conn.cursor(row_factory=dict_row)
                 .execute(
