@@ -29,6 +29,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from typing import Any
 
 import dramatiq
@@ -47,7 +48,14 @@ from ..errors import ActorOptionError, ConfigurationError, SchemaNotReady
 from ..idempotency.context import current_running
 from .consumer import ack_now
 
-__all__ = ["DEFAULT_CONSUMER_TIMEOUT_MS", "LongJobs", "leased_jobs", "reap_expired_leases", "warn_if_too_long"]
+__all__ = [
+    "DEFAULT_CONSUMER_TIMEOUT_MS",
+    "LeaseReaper",
+    "LongJobs",
+    "leased_jobs",
+    "reap_expired_leases",
+    "warn_if_too_long",
+]
 
 logger = logging.getLogger("dramatiq_reliable.outbox")
 
@@ -401,6 +409,28 @@ def reap_expired_leases(conn: psycopg.Connection[Any], schema_name: str, *, limi
             row["takes"],
         )
     return len(rows)
+
+
+class LeaseReaper:
+    """A relay's reaper: :func:`reap_expired_leases` at most every ``interval_ms``, idle or busy.
+
+    A relay calls :meth:`if_due` between passes and between its idle probes, so a dead worker's
+    job is requeued within about a second of its lease running out, whatever the relay is doing.
+    """
+
+    def __init__(self, database: Database, schema_name: str, *, interval_ms: int = 1000) -> None:
+        self.database = database
+        self.schema = schema_name
+        self.interval_s = check_ms("interval_ms", interval_ms, minimum=1) / 1000
+        self._next = 0.0
+
+    def if_due(self) -> int:
+        """Reap now if the interval has passed; the number of jobs put back in the outbox."""
+        if time.monotonic() < self._next:
+            return 0
+        self._next = time.monotonic() + self.interval_s
+        with self.database.autocommit() as conn:
+            return reap_expired_leases(conn, self.schema)
 
 
 def leased_jobs(conn: psycopg.Connection[Any], schema_name: str, *, limit: int = 100) -> list[dict[str, Any]]:
