@@ -13,7 +13,7 @@ channel closed, so the copy it delivers again decides (``Idempotency`` skips it 
 run committed; a failure is dead-lettered by that copy).  Each such refusal logs one warning.
 
 What RabbitMQ said when it delivered a message is :func:`delivery_of`'s :class:`Delivery`:
-the tag, the redelivered flag, the ``x-delivery-count`` header quorum queues add on redelivery,
+the tag, the redelivered flag, the ``x-delivery-count`` header of quorum queues,
 and which channel it came on.
 """
 
@@ -48,8 +48,9 @@ class Delivery:
       queue_name: the queue it was consumed from.
       delivery_tag: its number on its channel (meaningless on any other channel).
       redelivered: RabbitMQ's flag: the message was delivered before (to any consumer).
-      delivery_count: the ``x-delivery-count`` header, which quorum queues add from the first
-        redelivery on (so ``None`` on a first delivery and on classic queues).
+      delivery_count: the ``x-delivery-count`` header of quorum queues: how many earlier
+        deliveries of the message came back unacked (0 on a first delivery, as seen on RabbitMQ
+        3.10); ``None`` on classic queues, which send none.
       channel_id: which channel delivered it: a serial unique in this process, since AMQP
         channel numbers start again at 1 on every connection.
       channel_number: the AMQP channel number, as RabbitMQ's logs show it.
@@ -110,7 +111,8 @@ def ack_now(message: Any) -> bool:
 def _delivery_count(properties: Any) -> int | None:
     headers = getattr(properties, "headers", None) or {}
     count = headers.get("x-delivery-count")
-    return count if isinstance(count, int) and not isinstance(count, bool) else None
+    # pika decodes it as an int subclass of its own: a plain int for logs and events.
+    return int(count) if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 def _settled(message: MessageProxy) -> bool:
@@ -148,6 +150,14 @@ class ChannelBoundConsumer(_RabbitmqConsumer):
             self._nack(method.delivery_tag)  # type: ignore[no-untyped-call]
             return None
 
+        return self.delivered(method, properties, message)
+
+    def delivered(self, method: Any, properties: Any, message: Message[Any]) -> _DeliveredMessage:
+        """The proxy of a message this consumer's channel delivered, bound to this channel for its ack.
+
+        Anything that takes deliveries off the channel itself (a screen that dead-letters some
+        before a worker sees them) makes its proxies here, or they cannot be acked or nacked.
+        """
         delivery = Delivery(
             queue_name=self.queue_name,
             delivery_tag=method.delivery_tag,

@@ -29,6 +29,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from typing import Any
 
 import dramatiq
@@ -43,11 +44,18 @@ from .._checks import check_bool, check_ms
 from .._util import first_line
 from ..backing import backing_of
 from ..database import Database, DatabaseLike
-from ..errors import ActorOptionError, ConfigurationError
+from ..errors import ActorOptionError, ConfigurationError, SchemaNotReady
 from ..idempotency.context import current_running
 from .consumer import ack_now
 
-__all__ = ["DEFAULT_CONSUMER_TIMEOUT_MS", "LongJobs", "leased_jobs", "reap_expired_leases", "warn_if_too_long"]
+__all__ = [
+    "DEFAULT_CONSUMER_TIMEOUT_MS",
+    "LeaseReaper",
+    "LongJobs",
+    "leased_jobs",
+    "reap_expired_leases",
+    "warn_if_too_long",
+]
 
 logger = logging.getLogger("dramatiq_reliable.outbox")
 
@@ -222,6 +230,7 @@ class LongJobs(Middleware):
         self._schema = schema
         self._target: tuple[Database, str] | None = None
         self._heartbeat = _Heartbeat(self)
+        self._ready = False
 
     @property
     def actor_options(self) -> set[str]:
@@ -273,25 +282,19 @@ class LongJobs(Middleware):
             return
         self._bind(broker)
         token = secrets.randbits(62)
-        with self.database.autocommit() as conn:
-            schema.ensure_ready(conn, schema=self.schema, required=schema.LONG_JOBS_VERSION, feature="long jobs")
-            row = (
-                conn.cursor(row_factory=dict_row)
-                .execute(
-                    _sql.query("job_lease_take", self.schema),
-                    {
-                        "message_id": message.message_id,
-                        "queue_name": message.queue_name,
-                        "actor_name": message.actor_name,
-                        "body": message.encode(),
-                        "priority": message.options.get("broker_priority"),
-                        "owner": _OWNER,
-                        "token": token,
-                        "lease_s": self.lease_ms / 1000,
-                    },
-                )
-                .fetchone()
+        try:
+            row = self._take(message, token)
+        except (psycopg.Error, PoolTimeout, SchemaNotReady) as error:
+            # Fail open, as plain Dramatiq: the job runs on its unacked delivery, which RabbitMQ
+            # keeps (and may deliver again past consumer_timeout), so nothing is lost.
+            logger.warning(
+                "long job %r (%s) runs without a lease: %s: %s; RabbitMQ keeps its delivery meanwhile",
+                message.message_id,
+                message.actor_name,
+                type(error).__name__,
+                first_line(error),
             )
+            return
         if row is None:
             # Another worker runs it under a live lease: this copy is acked and skipped.
             logger.warning(
@@ -307,6 +310,31 @@ class LongJobs(Middleware):
                 "long job %r: its delivery could not be acked early (its channel closed); RabbitMQ delivers it "
                 "again and that copy is skipped while this lease lives",
                 message.message_id,
+            )
+
+    def _take(self, message: MessageProxy, token: int) -> dict[str, Any] | None:
+        """Write and commit the lease of ``message``; ``None`` when another worker holds a live one."""
+        with self.database.autocommit() as conn:
+            if not self._ready:
+                # Once per process: a schema does not go back to an older version.
+                schema.ensure_ready(conn, schema=self.schema, required=schema.LONG_JOBS_VERSION, feature="long jobs")
+                self._ready = True
+            return (
+                conn.cursor(row_factory=dict_row)
+                .execute(
+                    _sql.query("job_lease_take", self.schema),
+                    {
+                        "message_id": message.message_id,
+                        "queue_name": message.queue_name,
+                        "actor_name": message.actor_name,
+                        "body": message.encode(),
+                        "priority": message.options.get("broker_priority"),
+                        "owner": _OWNER,
+                        "token": token,
+                        "lease_s": self.lease_ms / 1000,
+                    },
+                )
+                .fetchone()
             )
 
     def after_process_message(
@@ -381,6 +409,28 @@ def reap_expired_leases(conn: psycopg.Connection[Any], schema_name: str, *, limi
             row["takes"],
         )
     return len(rows)
+
+
+class LeaseReaper:
+    """A relay's reaper: :func:`reap_expired_leases` at most every ``interval_ms``, idle or busy.
+
+    A relay calls :meth:`if_due` between passes and between its idle probes, so a dead worker's
+    job is requeued within about a second of its lease running out, whatever the relay is doing.
+    """
+
+    def __init__(self, database: Database, schema_name: str, *, interval_ms: int = 1000) -> None:
+        self.database = database
+        self.schema = schema_name
+        self.interval_s = check_ms("interval_ms", interval_ms, minimum=1) / 1000
+        self._next = 0.0
+
+    def if_due(self) -> int:
+        """Reap now if the interval has passed; the number of jobs put back in the outbox."""
+        if time.monotonic() < self._next:
+            return 0
+        self._next = time.monotonic() + self.interval_s
+        with self.database.autocommit() as conn:
+            return reap_expired_leases(conn, self.schema)
 
 
 def leased_jobs(conn: psycopg.Connection[Any], schema_name: str, *, limit: int = 100) -> list[dict[str, Any]]:

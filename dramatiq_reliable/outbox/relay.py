@@ -46,7 +46,7 @@ from ..database import Database, DatabaseLike
 from ..errors import BrokerUnavailable, ConfigurationError, SchemaNotReady
 from . import wake
 from .events import OutboxBatchPublished, OutboxBrokerUnavailable, OutboxPublished, OutboxRowFailed, RelayedMessage
-from .long_jobs import reap_expired_leases
+from .long_jobs import LeaseReaper
 from .publisher import Publication, Publisher, PublishOutcome
 
 __all__ = [
@@ -56,9 +56,6 @@ __all__ = [
     "RelayPass",
     "WorkerRelay",
 ]
-
-#: How often a running relay looks for long jobs whose lease ran out (one indexed query).
-_REAP_INTERVAL_S = 1.0
 
 logger = logging.getLogger("dramatiq_reliable.outbox.relay")
 
@@ -221,7 +218,7 @@ class Relay:
         self.on_published = self.options.on_published
         self.retention_ms = self.options.retention_ms
         self.purge_interval_s = self.options.purge_interval_ms / 1000
-        self._next_reap = 0.0
+        self.reaper = LeaseReaper(self.database, self.schema)  # long jobs whose worker died
         self.backoff_min_s = self.options.backoff_min_ms / 1000
         self.backoff_max_s = self.options.backoff_max_ms / 1000
         self.row_backoff_max_s = self.options.row_backoff_max_ms / 1000
@@ -518,11 +515,6 @@ class Relay:
 
     # -- the loop --------------------------------------------------------------------------
 
-    def reap_leases(self) -> int:
-        """Put the long jobs whose worker died (lease ran out) back in the outbox; how many."""
-        with self.database.autocommit() as conn:
-            return reap_expired_leases(conn, self.schema)
-
     def stop(self) -> None:
         """Ask :meth:`run` to return after the batch in hand; safe from signal handlers."""
         self._stop.set()
@@ -555,7 +547,7 @@ class Relay:
                     if self.retention_ms is not None and time.monotonic() >= next_purge:
                         self.purge()
                         next_purge = time.monotonic() + self.purge_interval_s
-                    published += self._reap_if_due()  # requeued rows are published on the next pass
+                    published += self.reaper.if_due()  # requeued rows are published on the next pass
                     if published:
                         # Rows arrive in runs: the next ones are probably committed already.
                         idle_step = 0
@@ -642,19 +634,12 @@ class Relay:
             step += 1
             if self._sleep(delay_s):
                 return 0
-            if self._stop.is_set() or self._reap_if_due():
+            if self._stop.is_set() or self.reaper.if_due():
                 return step
             due_in_s = self._probe()
             if due_in_s is not None and due_in_s <= 0:
                 return step
         return step
-
-    def _reap_if_due(self) -> int:
-        """Reap leases of long jobs at most every ``_REAP_INTERVAL_S``, idle or busy; how many."""
-        if time.monotonic() < self._next_reap:
-            return 0
-        self._next_reap = time.monotonic() + _REAP_INTERVAL_S
-        return self.reap_leases()
 
     def _sleep(self, delay_s: float) -> bool:
         """Sleep ``delay_s``; ``True`` if a NOTIFY ended it early (``stop()`` also ends it)."""

@@ -230,3 +230,25 @@ def test_long_jobs_refuses_a_postgres_broker(pg_broker: Any) -> None:
     pg_broker.add_middleware(LongJobs())
     with pytest.raises(ActorOptionError, match="PostgresBroker already holds running jobs under a lease"):
         dramatiq.actor(lambda: None, broker=pg_broker, actor_name="job", long_running=True)
+
+
+def test_without_the_lease_table_a_long_job_still_runs_on_its_delivery_with_a_warning(
+    broker: OutboxBroker, queue_name: str, db_schema: str, rabbit: Rabbit, caplog: Any
+) -> None:
+    broker.add_middleware(LongJobs(schema=f"{db_schema}_never_migrated"))  # a schema never created
+    ran = threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name=queue_name, actor_name=f"long_{queue_name}", long_running=True)
+    def long_job() -> None:
+        ran.set()
+
+    RabbitmqBroker.enqueue(broker, long_job.message())
+    worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=1)
+    with caplog.at_level(logging.WARNING, logger="dramatiq_reliable.outbox"):
+        worker.start()
+        try:
+            assert ran.wait(10), "the job did not run"
+        finally:
+            worker.stop(timeout=10_000)
+    assert "runs without a lease: SchemaNotReady" in caplog.text
+    assert rabbit.count(queue_name) == 0, "the delivery was not acked after the job"
