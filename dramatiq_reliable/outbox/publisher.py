@@ -115,7 +115,7 @@ class Publisher:
     """Publishes batches to RabbitMQ with pipelined confirms.  Not thread-safe: one per relay thread.
 
     A publish never waits past ``confirm_timeout_ms`` on a connection that stopped answering:
-    the connection is then aborted (its socket closed without AMQP's closing handshake, which
+    the connection is then aborted (its socket reset, without AMQP's closing handshake, which
     would wait on the dead link too) and the unconfirmed rows stay unpublished for the next pass.
     """
 
