@@ -24,8 +24,10 @@ nothing can be said about any message and the caller should keep every row for l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import socket
 import struct
 import time
 from collections.abc import Sequence
@@ -113,7 +115,7 @@ class Publisher:
     """Publishes batches to RabbitMQ with pipelined confirms.  Not thread-safe: one per relay thread.
 
     A publish never waits past ``confirm_timeout_ms`` on a connection that stopped answering:
-    the connection is then aborted (its socket closed without AMQP's closing handshake, which
+    the connection is then aborted (its socket reset, without AMQP's closing handshake, which
     would wait on the dead link too) and the unconfirmed rows stay unpublished for the next pass.
     """
 
@@ -173,6 +175,14 @@ class Publisher:
         connection = getattr(self._declarer.state, "connection", None)
         if connection is None or not connection.is_open:
             return
+        sock = getattr(getattr(connection._impl, "_transport", None), "_sock", None)
+        if sock is not None:
+            # Linger 0: closing resets the connection and drops what the kernel still holds to
+            # send.  A plain close would leave the socket retransmitting the unconfirmed
+            # publishes until TCP_USER_TIMEOUT, and if the link comes back first RabbitMQ gets
+            # them on the old connection while the next pass publishes them again.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         try:
             # pika has no public abort; its heartbeat checker ends a dead connection this way:
             # the socket is closed without flushing, and the next turn of the I/O loop reports
