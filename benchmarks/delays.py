@@ -1,12 +1,12 @@
 """Delays benchmark: delays kept in Postgres (OutboxBroker) against Dramatiq's own ``.DQ`` delays, in one run.
 
-    python benchmarks/delays.py [--messages 10000] [--span-s 30] [--threads 8] [--rabbitmq-url URL]
+    python benchmarks/delays.py [--messages 10000] [--span-s 60] [--threads 8] [--rabbitmq-url URL]
 
 N messages are sent with delays drawn uniformly from 1 to 60 minutes, compressed: every duration
-is multiplied by ``span_s / 3600`` (``--span-s 30``: 120 times faster, so the delays run from
-0.5 s to 30 s), and so is RabbitMQ's default ``consumer_timeout`` of 30 minutes: the run starts a
-RabbitMQ node of its own (tests/rabbitmq_nodes.py; root needed) with ``consumer_timeout`` = 30 min
-scaled (15 s at the default span) and a 1 s channel tick.  Give ``--rabbitmq-url`` to use an
+is multiplied by ``span_s / 3600`` (the default ``--span-s 60``: 60 times faster, so the delays
+run from 1 s to 60 s), and so is RabbitMQ's default ``consumer_timeout`` of 30 minutes: the run
+starts a RabbitMQ node of its own (tests/rabbitmq_nodes.py; root needed) with ``consumer_timeout``
+= 30 min scaled (30 s at the default span) and a 1 s channel tick.  About 4 minutes in all.  Give ``--rabbitmq-url`` to use an
 existing server instead (its own ``consumer_timeout`` then applies).
 
 Each case runs one worker process (``--threads`` threads, Dramatiq's default 8) and measures:
@@ -346,7 +346,7 @@ def delete_queues(broker: Any, queue: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=int(os.environ.get("DELAYS_MESSAGES", "10000")))
-    parser.add_argument("--span-s", type=float, default=float(os.environ.get("DELAYS_SPAN_S", "30")))
+    parser.add_argument("--span-s", type=float, default=float(os.environ.get("DELAYS_SPAN_S", "60")))
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--grace-s", type=float, default=60.0, help="how long past the last eta to wait for runs")
     parser.add_argument("--rabbitmq-url", default=None)

@@ -41,9 +41,9 @@ from dramatiq.middleware import Middleware, Retries, default_middleware
 from dramatiq.worker import Worker
 
 from . import events
-from .backing import postgres_backed
 from ._checks import check_ms, is_int
 from ._util import type_name as _type_name
+from .backing import postgres_backed
 from .classify import (
     DEFAULT_MAX_RETRY_AFTER_MS,
     Decision,
