@@ -1,12 +1,12 @@
 """Delays benchmark: delays kept in Postgres (OutboxBroker) against Dramatiq's own ``.DQ`` delays, in one run.
 
-    python benchmarks/delays.py [--messages 10000] [--span-s 30] [--threads 8] [--rabbitmq-url URL]
+    python benchmarks/delays.py [--messages 10000] [--span-s 60] [--threads 8] [--rabbitmq-url URL]
 
 N messages are sent with delays drawn uniformly from 1 to 60 minutes, compressed: every duration
-is multiplied by ``span_s / 3600`` (``--span-s 30``: 120 times faster, so the delays run from
-0.5 s to 30 s), and so is RabbitMQ's default ``consumer_timeout`` of 30 minutes: the run starts a
-RabbitMQ node of its own (tests/rabbitmq_nodes.py; root needed) with ``consumer_timeout`` = 30 min
-scaled (15 s at the default span) and a 1 s channel tick.  Give ``--rabbitmq-url`` to use an
+is multiplied by ``span_s / 3600`` (the default ``--span-s 60``: 60 times faster, so the delays
+run from 1 s to 60 s), and so is RabbitMQ's default ``consumer_timeout`` of 30 minutes: the run
+starts a RabbitMQ node of its own (tests/rabbitmq_nodes.py; root needed) with ``consumer_timeout``
+= 30 min scaled (30 s at the default span) and a 1 s channel tick.  About 4 minutes in all.  Give ``--rabbitmq-url`` to use an
 existing server instead (its own ``consumer_timeout`` then applies).
 
 Each case runs one worker process (``--threads`` threads, Dramatiq's default 8) and measures:
@@ -15,6 +15,8 @@ Each case runs one worker process (``--threads`` threads, Dramatiq's default 8) 
   * lateness of each message's first run against its eta (p50/p99/max, ms; against the send's
     commit when that came later: 1,000 sends commit together, and a delay compressed to 1 s can
     end before its transaction commits), messages that never ran, and extra runs.
+Last, the cost of migration 8's index ``outbox_due`` to producers: committed ``send()`` calls a
+second with it and, interleaved, on a schema where it was dropped (``insert_ratio_due_index``).
 Cases: ``delays`` (OutboxBroker: each delay is an outbox row a relay thread in this process
 publishes when due) and ``baseline`` (Dramatiq's RabbitmqBroker: each delay goes to ``.DQ`` and
 waits in worker memory until its eta).  The last line printed is one JSON object.
@@ -27,6 +29,7 @@ import json
 import logging
 import os
 import random
+import statistics
 import subprocess
 import sys
 import threading
@@ -267,6 +270,56 @@ def published_lateness(schema: str) -> list[int]:
     return [int(row[0]) for row in rows]
 
 
+def index_cost(url: str, rounds: int, sends: int) -> dict[str, Any]:
+    """What the index ``outbox_due`` (migration 8) costs a producer: committed sends per second
+    with it and, interleaved in the same run, on a schema where it was dropped."""
+    from dramatiq_reliable import OutboxBroker, migrate
+
+    rates: dict[str, list[float]] = {"with": [], "without": []}
+    schemas = {name: f"perfdelay_{name}_{uuid.uuid4().hex[:8]}" for name in rates}
+    brokers: dict[str, Any] = {}
+    try:
+        for name, schema in schemas.items():
+            migrate(DATABASE_URL, schema=schema)
+            if name == "without":
+                with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+                    conn.execute(sql.SQL("DROP INDEX {}").format(sql.Identifier(schema, "outbox_due")))
+            brokers[name] = OutboxBroker(url=url, database=DATABASE_URL, schema=schema, pool_max_size=2)
+        actors = {
+            name: dramatiq.actor(lambda: None, broker=broker, actor_name=f"insert_{name}", queue_name="perfdelay_q")
+            for name, broker in brokers.items()
+        }
+        for name in rates:  # warm-up: pools, prepared statements
+            for _ in range(200):
+                actors[name].send()
+        # Blocks of 50 sends, alternating schemas and their order, so the other work on the
+        # machine (which moves the rates by more than the index) weighs on both alike.
+        for _ in range(rounds):
+            spent = dict.fromkeys(rates, 0.0)
+            for block in range(sends // 50):
+                for name in sorted(rates, reverse=bool(block % 2)):
+                    started = time.perf_counter()
+                    for _ in range(50):
+                        actors[name].send()  # unbound: one committed insert each, as an app's autocommit send
+                    spent[name] += time.perf_counter() - started
+            for name in rates:
+                rates[name].append((sends // 50) * 50 / spent[name])
+    finally:
+        for broker in brokers.values():
+            broker.database.close()
+        with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+            for schema in schemas.values():
+                conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+    with_index, without = (statistics.median(rates[name]) for name in ("with", "without"))
+    result = {
+        "sends_per_s_with_due_index": round(with_index),
+        "sends_per_s_without_due_index": round(without),
+        "insert_ratio_due_index": round(with_index / without, 3),
+    }
+    log(f"index cost: {json.dumps(result)}")
+    return result
+
+
 def read_runs(path: str) -> tuple[dict[str, list[int]], int]:
     runs: dict[str, list[int]] = {}
     closes = 0
@@ -293,11 +346,13 @@ def delete_queues(broker: Any, queue: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=int(os.environ.get("DELAYS_MESSAGES", "10000")))
-    parser.add_argument("--span-s", type=float, default=float(os.environ.get("DELAYS_SPAN_S", "30")))
+    parser.add_argument("--span-s", type=float, default=float(os.environ.get("DELAYS_SPAN_S", "60")))
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--grace-s", type=float, default=60.0, help="how long past the last eta to wait for runs")
     parser.add_argument("--rabbitmq-url", default=None)
     parser.add_argument("--seed", type=int, default=22)
+    parser.add_argument("--index-rounds", type=int, default=3, help="rounds of the index cost (0: skip it)")
+    parser.add_argument("--index-sends", type=int, default=2000, help="committed sends per round and schema")
     parser.add_argument("--worker", choices=("delays", "baseline"), help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--schema", help=argparse.SUPPRESS)
@@ -320,6 +375,7 @@ def main() -> None:
         with rabbitmq_node(args.rabbitmq_url, args.span_s) as (url, timeout_ms):
             ours = run_case("delays", url, schema, args, delays_ms)
             baseline = run_case("baseline", url, schema, args, delays_ms)
+            cost = index_cost(url, args.index_rounds, args.index_sends) if args.index_rounds else {}
     finally:
         with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
@@ -344,6 +400,7 @@ def main() -> None:
                 "baseline_lateness_p50_ms": baseline["lateness_p50_ms"],
                 "baseline_lateness_p99_ms": baseline["lateness_p99_ms"],
                 "baseline_lateness_max_ms": baseline["lateness_max_ms"],
+                **cost,
                 "never_ran": ours["never_ran"],
                 "baseline_never_ran": baseline["never_ran"],
                 "extra_runs": ours["extra_runs"],

@@ -116,13 +116,19 @@ class HealthGauges:
             names.METRIC_OUTBOX_BACKLOG,
             callbacks=[self._observe_backlog],
             unit="{message}",
-            description="Committed outbox rows not yet published, by queue.",
+            description="Committed outbox rows due and not yet published, by queue.",
         )
         meter.create_observable_gauge(
             names.METRIC_OUTBOX_OLDEST_AGE,
             callbacks=[self._observe_oldest],
             unit="s",
             description="Age of the oldest unpublished outbox row, by queue (a dead relay shows here).",
+        )
+        meter.create_observable_gauge(
+            names.METRIC_OUTBOX_SCHEDULED,
+            callbacks=[self._observe_scheduled],
+            unit="{message}",
+            description="Outbox rows waiting for their time (delays, retries' backoff), not a backlog, by queue.",
         )
         meter.create_observable_gauge(
             names.METRIC_DEAD_LETTERS_PENDING,
@@ -201,6 +207,9 @@ class HealthGauges:
         return self._observe_postgres(
             lambda item: None if item.outbox_backlog is None else (item.outbox_oldest_age_s or 0.0)
         )
+
+    def _observe_scheduled(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._observe_postgres(lambda item: item.outbox_scheduled)
 
     def _observe_dead_letters(self, options: CallbackOptions) -> Iterable[Observation]:
         return self._observe_postgres(lambda item: item.dead_letters)

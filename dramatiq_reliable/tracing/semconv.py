@@ -44,6 +44,7 @@ __all__ = [
     "METRIC_DUPLICATES_SKIPPED",
     "METRIC_OUTBOX_BACKLOG",
     "METRIC_OUTBOX_OLDEST_AGE",
+    "METRIC_OUTBOX_SCHEDULED",
     "METRIC_PROCESS_DURATION",
     "METRIC_QUEUE_DEPTH",
     "METRIC_RETRIES",
@@ -129,6 +130,7 @@ METRIC_DUPLICATES_SKIPPED: Final = "dramatiq_reliable.duplicates_skipped"
 METRIC_SINGLETON_HELD: Final = "dramatiq_reliable.singleton_held"
 METRIC_OUTBOX_BACKLOG: Final = "dramatiq_reliable.outbox.backlog"
 METRIC_OUTBOX_OLDEST_AGE: Final = "dramatiq_reliable.outbox.oldest_age"
+METRIC_OUTBOX_SCHEDULED: Final = "dramatiq_reliable.outbox.scheduled"
 METRIC_DEAD_LETTERS_PENDING: Final = "dramatiq_reliable.dead_letters.pending"
 METRIC_QUEUE_DEPTH: Final = "dramatiq_reliable.queue.depth"
 

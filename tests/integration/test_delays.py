@@ -107,7 +107,9 @@ def test_an_idle_relay_publishes_a_delayed_row_when_due_not_a_poll_interval_late
         message = task.send_with_options(delay=2000)
         wait_for(lambda: rabbit.count(queue_name) == 1, timeout_ms=10_000, message="the row was never published")
         published_at = current_millis()
-    assert 0 <= published_at - message.options["eta"] < 1000
+    # Woken for the due time: a wait of its 60 s poll interval would be about a minute late
+    # (the bound leaves room for a busy machine).
+    assert 0 <= published_at - message.options["eta"] < 2000
     # It woke for the due time, without spinning: the idle backoff's probes and one at the due time.
     assert probes < 100
 
@@ -137,9 +139,10 @@ def test_a_retry_waits_for_its_backoff_in_the_outbox_and_comes_back_to_its_queue
     retry = _outbox(db, db_schema)[1]
     assert retry["queue_name"] == queue_name and retry["eta"] is not None
     assert json.loads(bytes(retry["body"]))["options"]["retries"] == 1
-    # Dramatiq's jitter draws the backoff from 600-1200 ms; it ran within a second of its eta.
+    # Dramatiq's jitter draws the backoff from 600-1200 ms; it ran when due (the bound leaves
+    # room for a busy machine: the on-time figures are the delayed-send tests' and the benchmark's).
     eta_ms = int(retry["eta"].timestamp() * 1000)
-    assert 0 <= attempts[1] - eta_ms < 1000
+    assert 0 <= attempts[1] - eta_ms < 2000
     assert attempts[1] - attempts[0] >= 500
     assert rabbit.count(dq_name(queue_name)) == 0
 
@@ -157,7 +160,7 @@ def test_a_delayed_replay_of_a_dead_letter_runs_once_when_due(broker, worker, qu
     assert row["queue_name"] == queue_name and row["published_at"] is None
     wait_for(lambda: runs.count() == 1, timeout_ms=20_000, message="the replay never ran")
     late = runs.at[stored.message_id][0] - int(row["eta"].timestamp() * 1000)
-    assert 0 <= late < 1000
+    assert 0 <= late < 2000
     assert runs.at[stored.message_id][0] - replayed_at >= 1500
 
 

@@ -224,12 +224,17 @@ def test_gauges_read_the_outbox_backlog_and_queue_depth(traced, queue_name, otel
     with traced.transaction():
         for _ in range(3):
             task.send()
+        task.send_with_options(delay=3_600_000)  # waits in the outbox for its time: no backlog
     dest = {"messaging.destination.name": queue_name}
     assert otel.total("dramatiq_reliable.outbox.backlog", **dest) == 3
+    assert otel.total("dramatiq_reliable.outbox.scheduled", **dest) == 1
 
     def oldest_age_s() -> float:
         """The oldest unpublished row's age now, by the database's clock (the gauge's clock)."""
-        query = "SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {}.outbox WHERE published_at IS NULL"
+        query = (
+            "SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {}.outbox "
+            "WHERE published_at IS NULL AND eta IS NULL"
+        )
         (age,) = db.execute(psycopg.sql.SQL(query).format(psycopg.sql.Identifier(db_schema))).fetchone()
         return float(age)
 
