@@ -58,7 +58,9 @@ def test_an_undelayed_row_is_the_message_as_sent(outbox_broker):
 
 
 def _relay(poll_interval_ms: int) -> Relay:
-    return Relay(rabbitmq_url=_NOWHERE_AMQP, database=_NOWHERE_PG, poll_interval_ms=poll_interval_ms)
+    relay = Relay(rabbitmq_url=_NOWHERE_AMQP, database=_NOWHERE_PG, poll_interval_ms=poll_interval_ms)
+    relay.reaper.if_due = lambda: 0  # no lease to reap: these tests are about the wait alone
+    return relay
 
 
 def test_an_idle_relay_wakes_when_the_next_row_falls_due_not_a_poll_interval_later(monkeypatch):
