@@ -21,6 +21,7 @@ import embedded_postgres  # (first: an embedded Postgres if DATABASE_URL is unse
 import pika
 import psycopg
 import pytest
+import rabbitmq_nodes
 import support
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from opentelemetry.sdk.metrics import MeterProvider
@@ -106,6 +107,10 @@ _SKIP_PREFIX = "service unreachable: "
 _MISSING_STATUS = "errors (service missing)"
 
 
+#: Fixtures that start RabbitMQ nodes of the tests' own: their tests are marked ``cluster``.
+_NODE_FIXTURES = frozenset({"rabbitmq_cluster", "healed_cluster", "rabbitmq_short_timeout_node"})
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark each test by its folder, so ``-m unit`` runs the tests that need no service; and probe
     each service the collected tests need, once: a test whose service is missing is skipped, or
@@ -115,6 +120,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for kind in ("unit", "integration", "acceptance", "browser"):
             if kind in parts:
                 item.add_marker(getattr(pytest.mark, kind))
+        if _NODE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cluster)
     for item in items:
         for fixture, service in SERVICES.items():
             if fixture in getattr(item, "fixturenames", ()) and not service.check():
@@ -238,6 +245,44 @@ def rabbitmq_url() -> str:
     if not service.check():
         _unavailable(service)
     return service.url
+
+
+def _nodes_or_fail() -> None:
+    """Extra RabbitMQ nodes need the machine's install and root: skip without them, fail in CI."""
+    reason = rabbitmq_nodes.available()
+    if reason is not None:
+        (pytest.fail if IN_CI else pytest.skip)(f"cannot start RabbitMQ test nodes: {reason}")
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_cluster() -> Iterator[rabbitmq_nodes.RabbitCluster]:
+    """Three RabbitMQ nodes of the tests' own, clustered (tests/rabbitmq_nodes.py); killed at the end.
+
+    Shared by the session: a test that stops or kills a node calls ``rabbitmq_cluster.heal()``
+    before it ends (the ``healed_cluster`` fixture does it for you).
+    """
+    _nodes_or_fail()
+    with rabbitmq_nodes.cluster(3) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def healed_cluster(rabbitmq_cluster: rabbitmq_nodes.RabbitCluster) -> Iterator[rabbitmq_nodes.RabbitCluster]:
+    """The session's cluster, with every node running again after the test (even when it failed)."""
+    yield rabbitmq_cluster
+    rabbitmq_cluster.heal()
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_short_timeout_node() -> Iterator[rabbitmq_nodes.RabbitNode]:
+    """A RabbitMQ node whose ``consumer_timeout`` is 3 s, checked every second.
+
+    A delivery held unacked for about 3-4 s gets its channel closed with ``PRECONDITION_FAILED``,
+    as a 30-minute job or delay would on a default server.
+    """
+    _nodes_or_fail()
+    with rabbitmq_nodes.single_node(consumer_timeout_ms=3000, channel_tick_ms=1000) as node:
+        yield node
 
 
 @pytest.fixture
