@@ -155,22 +155,35 @@ class DeclaresQueues:
             raise mismatch(name, match["arg"], self.queue_settings.type_of(name), str(error.reply_text)) from error
 
 
+#: Arguments only our quorum queues carry: RabbitMQ may name one of them, not ``x-queue-type``,
+#: as the first difference with a classic queue.
+_QUORUM_ONLY = frozenset({"x-queue-type", "x-overflow", "x-dead-letter-strategy", "x-delivery-limit"})
+
+
+def existing_type(argument: str, wanted: QueueType, reply_text: str) -> QueueType | None:
+    """The type of the queue RabbitMQ holds, from its refusal of our declaration, if it tells."""
+    if argument == "x-queue-type":
+        return "quorum" if re.search(r"current is (the value )?'quorum'", reply_text) else "classic"
+    if argument in _QUORUM_ONLY:
+        if wanted == "quorum" and reply_text.rstrip().endswith("current is none"):
+            return "classic"
+        if wanted == "classic" and "received none" in reply_text:
+            return "quorum"
+    return None
+
+
 def mismatch(name: str, argument: str, wanted: QueueType, reply_text: str) -> QueueMismatch:
     """The error for a queue RabbitMQ holds with other arguments than ours."""
-    if argument == "x-queue-type":
-        current = (
-            "quorum"
-            if "current is the value 'quorum'" in reply_text or "current is 'quorum'" in reply_text
-            else ("classic")
-        )
+    current = existing_type(argument, wanted, reply_text)
+    if current is not None and current != wanted:
         return QueueMismatch(
-            f"queue {name!r} exists in RabbitMQ as a {current} queue but this broker declares it {wanted}; "
-            f"either set queue_types={{{q_name(name)!r}: {current!r}}} (or queue_type={current!r}) to keep it, or move "
-            f"it: stop the relays, let workers drain it, delete it (rabbitmqctl delete_queue), then start the new "
-            f"code; sends wait in the outbox meanwhile ({MOVE_DOCS})"
+            f"queue {name!r} exists in RabbitMQ as a {current} queue but this broker declares it {wanted} "
+            f"(RabbitMQ: {reply_text}); either keep it {current} with queue_types={{{q_name(name)!r}: {current!r}}} "
+            f"on every broker and relay, or move it: stop the relays, let the workers drain it, delete it "
+            f"(rabbitmqctl delete_queue), then start the new code; sends wait in the outbox meanwhile ({MOVE_DOCS})"
         )
     return QueueMismatch(
-        f"queue {name!r} exists in RabbitMQ with another {argument!r} than this broker declares ({wanted} queue: "
-        f"{reply_text}); use the settings it was declared with (max_priority, delivery_limit), or drain and delete "
-        f"it so it is declared again ({MOVE_DOCS})"
+        f"queue {name!r} exists in RabbitMQ with another {argument!r} than this broker declares ({wanted} queue; "
+        f"RabbitMQ: {reply_text}); give every broker and relay the settings it was declared with (max_priority, "
+        f"delivery_limit), or drain and delete it so it is declared again ({MOVE_DOCS})"
     )
