@@ -46,7 +46,8 @@ def delivery_count(properties: Any) -> int | None:
     """The ``x-delivery-count`` of a delivery's pika properties: earlier deliveries never acked, or ``None``."""
     headers = getattr(properties, "headers", None)
     count = headers.get("x-delivery-count") if isinstance(headers, dict) else None
-    return count if isinstance(count, int) and not isinstance(count, bool) else None
+    # pika decodes it as its own int subclass (shown 3L): keep a plain int for logs and events.
+    return int(count) if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 def over_limit(properties: Any, limit: int | None) -> int | None:
