@@ -99,3 +99,15 @@ def test_over_limit_reads_the_quorum_delivery_count():
     assert over_limit(props(None), 3) is None  # classic queues send no count
     assert over_limit(props({"x-delivery-count": 9}), None) is None
     assert over_limit(props({"x-delivery-count": True}), 1) is None
+
+
+def test_several_urls_spread_connections_over_the_nodes_in_rotation():
+    broker = OutboxBroker(url="amqp://a:5672;amqp://b:5672;amqp://c:5672", database="postgresql://nowhere/x")
+    firsts = set()
+    for _ in range(60):
+        hosts = [p.host for p in broker.parameters]
+        assert hosts in (["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"])  # the rest stay in order
+        firsts.add(hosts[0])
+    assert firsts == {"a", "b", "c"}
+    single = OutboxBroker(url="amqp://a:5672", database="postgresql://nowhere/x")
+    assert single.parameters.host == "a"
