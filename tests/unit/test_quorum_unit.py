@@ -161,3 +161,19 @@ def test_screen_fails_and_nacks_a_delivery_at_the_limit_through_the_nack_hooks_a
         screen(bad, iter([(types.SimpleNamespace(delivery_tag=7, redelivered=True), delivery(7, 5)[1], b"{")]), 3, "q")
     )
     assert (bad.raw_nacked, bad.nacked) == ([7], [])
+
+
+def test_a_relay_from_the_broker_declares_as_the_broker_does():
+    from dramatiq_reliable import Relay
+
+    broker = OutboxBroker(
+        url="amqp://a:5672",
+        database="postgresql://nowhere/x",
+        queue_type="quorum",
+        queue_types={"old": "classic"},
+        delivery_limit=7,
+    )
+    relay = Relay.from_broker(broker)
+    assert relay.publisher._declarer.queue_settings == broker.queue_settings
+    handmade = Relay(rabbitmq_url="amqp://a:5672", database="postgresql://nowhere/x", queue_type="quorum")
+    assert handmade.publisher._declarer.queue_settings.arguments("q")["x-queue-type"] == "quorum"
