@@ -138,6 +138,7 @@ class Publisher:
         self._returned: dict[str, str] = {}
         self._outcome = PublishOutcome()
         self._method_frames: dict[str, bytes] = {}
+        self._nacked = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -314,6 +315,7 @@ class Publisher:
             self._check_connection(
                 BrokerUnavailable(f"RabbitMQ did not confirm {len(unconfirmed)} messages in {self._confirm_timeout_s}s")
             )
+            self._nacked = False
             for publication in unconfirmed:
                 outcome.timed_out.add(publication.key)
                 outcome.failed[publication.key] = (
@@ -321,6 +323,12 @@ class Publisher:
                     f"confirm_timeout_ms={round(self._confirm_timeout_s * 1000)}: a slow link or an oversized "
                     "message; retried with backoff (RabbitMQ may hold a copy)"
                 )
+        if self._nacked:
+            # A quorum queue nacks while it has no leader, and a channel whose first publish to
+            # it came during the election keeps the dead leader and nacks for a long time (30 s+
+            # seen on RabbitMQ 3.10); a fresh connection and channel find the new leader.
+            self._nacked = False
+            self._reset()
         return []
 
     def _frames(self, channel: Any, publication: Publication) -> bytes:
@@ -384,6 +392,7 @@ class Publisher:
                 self._outcome.confirmed.append(publication.key)
             else:
                 self._outcome.failed[publication.key] = returned or "RabbitMQ nacked the message"
+                self._nacked = self._nacked or (not acked and returned is None)
                 if returned is not None:
                     # The queue vanished after we declared it: declare it again next time.
                     self._declarer.queues_pending.add(q_name(publication.routing_key))

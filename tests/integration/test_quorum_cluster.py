@@ -38,6 +38,22 @@ def _leader(cluster: Any, queue: str) -> Any:
     return cluster.node_named(leader)
 
 
+def _fully_replicated(cluster: Any, queue: str) -> bool:
+    """Every node's member of ``queue`` is back in its Raft group (a leader and two followers).
+
+    A node that ``heal()`` restarted accepts connections before its member of the queue has
+    recovered its log; losing another node before that leaves no majority, which is two nodes
+    lost, not one.
+    """
+    node = cluster.running_nodes()[0]
+    try:
+        rows = json.loads(node.queues_ctl("-q", "quorum_status", queue, "--formatter", "json"))
+    except Exception:  # the command fails while a member is still starting
+        return False
+    states = sorted(str(row.get("Raft State")) for row in rows)
+    return states == ["follower", "follower", "leader"]
+
+
 def _delete_queues(cluster: Any, queue: str) -> None:
     connection = pika.BlockingConnection(pika.URLParameters(cluster.running_nodes()[0].url))
     try:
@@ -107,6 +123,12 @@ def test_losing_the_leaders_node_stops_no_work_for_longer_than_the_election(
         with stream:
             wait_for(lambda: len(stream.ran) >= 20, timeout_ms=30_000, message="messages flow before any loss")
             for how in ("stop", "kill"):
+                wait_for(
+                    lambda: _fully_replicated(healed_cluster, queue_name),
+                    timeout_ms=60_000,
+                    interval_ms=500,
+                    message="the queue has its three members before a node is lost",
+                )
                 leader = _leader(healed_cluster, queue_name)
                 lost_at = time.monotonic()
                 getattr(leader, how)()
@@ -136,3 +158,39 @@ def test_losing_the_leaders_node_stops_no_work_for_longer_than_the_election(
         print(f"\nquorum failover stall: leader node stopped {stalls['stop']:.1f} s, killed {stalls['kill']:.1f} s")
     assert set(stream.ran) == set(stream.sent)
     assert all(stall < STALL_BOUND_S for stall in stalls.values()), stalls
+
+
+def test_a_relay_channel_opened_during_the_election_finds_the_new_leader(healed_cluster, queue_name):
+    """RabbitMQ 3.10: a channel whose first publish to a quorum queue comes while its leader is
+    down keeps nacking long after the election; the publisher starts afresh after a nack."""
+    from dramatiq_reliable.outbox.publisher import Publication, Publisher
+    from dramatiq_reliable.outbox.queues import QueueSettings
+
+    settings = QueueSettings(queue_type="quorum")
+    first = Publisher(pika.URLParameters(healed_cluster.urls[0]), queues=settings, confirm_timeout_ms=5000)
+    try:
+        assert first.publish([Publication(0, queue_name, b"{}", "m0")]).confirmed == [0]
+    finally:
+        first.close()
+    wait_for(lambda: _fully_replicated(healed_cluster, queue_name), timeout_ms=60_000, interval_ms=500)
+    leader = _leader(healed_cluster, queue_name)
+    survivor = next(node for node in healed_cluster.nodes if node is not leader)
+    publisher = Publisher(pika.URLParameters(survivor.url), queues=settings, confirm_timeout_ms=5000)
+    try:
+        leader.kill()
+        lost_at = time.monotonic()
+        nacks = 0
+
+        def confirmed() -> bool:
+            nonlocal nacks
+            outcome = publisher.publish([Publication(1, queue_name, b"{}", "m1")])
+            nacks += len(outcome.failed)
+            return outcome.confirmed == [1]
+
+        wait_for(confirmed, timeout_ms=30_000, interval_ms=200, message="a publish is confirmed after the election")
+        elapsed = time.monotonic() - lost_at
+    finally:
+        publisher.close()
+        healed_cluster.heal()
+        _delete_queues(healed_cluster, queue_name)
+    assert elapsed < STALL_BOUND_S, (elapsed, nacks)
