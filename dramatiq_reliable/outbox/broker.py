@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import psycopg
@@ -32,18 +32,20 @@ from .._checks import check_ms
 from .._tcp import DEFAULT_TCP_USER_TIMEOUT_MS, bound_tcp, check_tcp_user_timeout_ms
 from ..backing import SendsTo
 from ..database import DatabaseLike
-from ..errors import SchemaNotReady
+from ..errors import PayloadError, SchemaNotReady
 from ..joining import join_until_empty
 from ..sending import DEFAULT_PAYLOAD_LIMIT_BYTES, Row, RowSending, TrackProcessing, Unbound
-from .consumer import ChannelBoundConsumer
+from .delivery_limit import LimitedConsumer
 from .long_jobs import DEFAULT_CONSUMER_TIMEOUT_MS, warn_if_too_long
+from .nodes import SpreadsOverNodes
+from .queues import DeclaresQueues, QueueSettings, QueueType
 
 __all__ = ["OutboxBroker"]
 
 logger = logging.getLogger("dramatiq_reliable.outbox")
 
 
-class OutboxBroker(RowSending, RabbitmqBroker):
+class OutboxBroker(SpreadsOverNodes, DeclaresQueues, RowSending, RabbitmqBroker):
     """A RabbitMQ broker whose ``enqueue`` writes to a Postgres outbox instead of publishing.
 
     Where a message goes when it is sent:
@@ -77,7 +79,8 @@ class OutboxBroker(RowSending, RabbitmqBroker):
     warning (payloads should carry IDs, not objects) and over ``payload_limit_bytes`` refused.
 
     Parameters:
-      url: RabbitMQ URL, as for ``RabbitmqBroker``.
+      url: RabbitMQ URL, as for ``RabbitmqBroker``; several nodes of a cluster as a list or
+        ``;``-separated: each connection starts at a random one and fails over to the others.
       database: where the outbox lives: a Postgres URL (the broker then creates its own pool),
         an existing ``psycopg_pool.ConnectionPool`` (the app's, shared and never closed by the
         broker) or a :class:`~dramatiq_reliable.Database`.
@@ -101,6 +104,18 @@ class OutboxBroker(RowSending, RabbitmqBroker):
         An actor whose ``time_limit`` exceeds it runs under a Postgres lease when the broker has
         the :class:`~dramatiq_reliable.outbox.LongJobs` middleware, and logs a warning when it
         is declared otherwise (see :mod:`~dramatiq_reliable.outbox.long_jobs`).
+      queue_type: ``"classic"`` (Dramatiq's queues, the default) or ``"quorum"``: replicated
+        queues that survive the loss of a cluster node (docs/production-topology.md).  The
+        queue, its ``.DQ`` and its ``.XQ`` are declared with that type; relays built with
+        :meth:`Relay.from_broker` declare them the same way.  A queue that already exists with
+        the other type raises :class:`~dramatiq_reliable.errors.QueueMismatch`, which says how
+        to move it.  Quorum queues have no priorities on RabbitMQ 3.x: ``max_priority`` is
+        refused with them, and so is a send with ``broker_priority`` to one.
+      queue_types: per queue overrides of ``queue_type``, e.g. ``{"emails": "quorum"}``.
+      delivery_limit: on quorum queues, a message delivered this many times without an ack (each
+        time the worker died holding it) is stored as a dead letter (reason ``delivery_limit``)
+        instead of running again; RabbitMQ's own ``x-delivery-limit`` is set a few above it as a
+        backstop.  ``None`` removes both: a message that kills its worker then comes back forever.
       middleware, max_priority, parameters, **kwargs: as for ``RabbitmqBroker``.
 
     >>> broker = OutboxBroker(url="amqp://guest:guest@localhost:5672",
@@ -129,12 +144,21 @@ class OutboxBroker(RowSending, RabbitmqBroker):
         confirm_delivery: bool = True,
         tcp_user_timeout_ms: int | None = DEFAULT_TCP_USER_TIMEOUT_MS,
         consumer_timeout_ms: int = DEFAULT_CONSUMER_TIMEOUT_MS,
+        queue_type: QueueType = "classic",
+        queue_types: Mapping[str, QueueType] | None = None,
+        delivery_limit: int | None = 20,
         middleware: list[Middleware] | None = None,
         max_priority: int | None = None,
         parameters: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> None:
         check_tcp_user_timeout_ms(tcp_user_timeout_ms)
+        self.queue_settings = QueueSettings(
+            queue_type=queue_type,
+            queue_types=dict(queue_types or {}),
+            max_priority=max_priority,
+            delivery_limit=delivery_limit,
+        )
         self._init_sending(
             database=database,
             schema=schema,
@@ -157,11 +181,6 @@ class OutboxBroker(RowSending, RabbitmqBroker):
         self.consumer_timeout_ms = check_ms("consumer_timeout_ms", consumer_timeout_ms, minimum=1)
         TrackProcessing.install(self)
 
-    @property
-    def consumer_class(self) -> type[ChannelBoundConsumer]:
-        """Acks and nacks go only to the channel that delivered the message (:mod:`.consumer`)."""
-        return ChannelBoundConsumer
-
     def declare_actor(self, actor: Any) -> None:
         super().declare_actor(actor)
         warn_if_too_long(self, actor, consumer_timeout_ms=self.consumer_timeout_ms)
@@ -170,6 +189,12 @@ class OutboxBroker(RowSending, RabbitmqBroker):
         """Close RabbitMQ connections and the pool this broker created."""
         super().close()
         self.database.close()
+
+    @property
+    def consumer_class(self) -> type[LimitedConsumer]:
+        """Acks and nacks only on the delivering channel (:mod:`.consumer`), and the delivery limit
+        applied on quorum queues (:mod:`.delivery_limit`)."""
+        return LimitedConsumer
 
     # -- sending -----------------------------------------------------------------------------
 
@@ -180,6 +205,14 @@ class OutboxBroker(RowSending, RabbitmqBroker):
             # messages: our own delays wait in the outbox); the source message is acked only
             # after this publish succeeds, so publishing directly is safe.
             return RabbitmqBroker.enqueue(self, message, delay=delay)
+        priority = message.options.get("broker_priority")
+        if priority is not None and self.queue_settings.type_of(message.queue_name) == "quorum":
+            # RabbitMQ 3.x quorum queues ignore the priority: refuse rather than reorder nothing.
+            raise PayloadError(
+                f"message to actor {message.actor_name!r} has broker_priority={priority!r} but queue "
+                f"{q_name(message.queue_name)!r} is a quorum queue, which has no priorities on RabbitMQ 3.x; "
+                "drop broker_priority, or give urgent work its own queue (queue_types={'urgent': 'quorum'})"
+            )
         return super().enqueue(message, delay=delay)
 
     def _row(self, message: Message[Any], canonical: str, body: bytes) -> Row:

@@ -14,8 +14,9 @@ for every message (persistent delivery, the message id, the priority), so it is 
 directly rather than through pika's general property encoder, the largest per-message cost
 left; ``tests/unit/test_publisher_frames.py`` checks it byte for byte against pika's.
 
-Queues are declared through a middleware-free ``RabbitmqBroker``, so they get exactly the
-arguments Dramatiq's workers declare (dead-letter routing to ``.XQ``, the delay queue, priority).
+Queues are declared through a middleware-free ``RabbitmqBroker`` with the workers'
+:class:`~dramatiq_reliable.outbox.queues.QueueSettings`, so they get exactly the arguments the
+workers declare (dead-letter routing to ``.XQ``, the delay queue, priority, quorum type).
 
 Outcomes are per message: confirmed, or failed with a reason (nacked, unroutable, refused by a
 channel error).  A connection-level failure raises :class:`BrokerUnavailable` instead: then
@@ -44,7 +45,9 @@ from dramatiq.errors import BrokerConnectionError
 from .._checks import check_int, check_ms
 from .._tcp import DEFAULT_TCP_USER_TIMEOUT_MS, bound_tcp, check_tcp_user_timeout_ms
 from .._util import rabbitmq_error, rabbitmq_reason
-from ..errors import BrokerUnavailable
+from ..errors import BrokerUnavailable, ReliableError
+from .nodes import SpreadsOverNodes
+from .queues import DeclaresQueues, QueueSettings
 
 __all__ = []
 
@@ -111,6 +114,14 @@ def bounded(
     return bound_tcp(parameters, tcp_user_timeout_ms=tcp_user_timeout_ms)
 
 
+class _Declarer(SpreadsOverNodes, DeclaresQueues, RabbitmqBroker):
+    """A middleware-free broker that only declares queues, as the workers do."""
+
+    def __init__(self, queues: QueueSettings) -> None:
+        self.queue_settings = queues
+        super().__init__(middleware=[], max_priority=queues.max_priority)
+
+
 class Publisher:
     """Publishes batches to RabbitMQ with pipelined confirms.  Not thread-safe: one per relay thread.
 
@@ -125,12 +136,13 @@ class Publisher:
         *,
         max_priority: int | None = None,
         confirm_timeout_ms: int = 30_000,
+        queues: QueueSettings | None = None,
         tcp_user_timeout_ms: int | None = DEFAULT_TCP_USER_TIMEOUT_MS,
     ) -> None:
         check_int("max_priority", max_priority, minimum=1, maximum=255, allow_none=True)
         check_ms("confirm_timeout_ms", confirm_timeout_ms, minimum=1)
         check_tcp_user_timeout_ms(tcp_user_timeout_ms)
-        self._declarer = RabbitmqBroker(middleware=[], max_priority=max_priority)
+        self._declarer = _Declarer(queues if queues is not None else QueueSettings(max_priority=max_priority))
         self._confirm_timeout_s = confirm_timeout_ms / 1000
         self._declarer.parameters = bounded(
             parameters, blocked_timeout_s=self._confirm_timeout_s, tcp_user_timeout_ms=tcp_user_timeout_ms
@@ -142,6 +154,7 @@ class Publisher:
         self._returned: dict[str, str] = {}
         self._outcome = PublishOutcome()
         self._method_frames: dict[str, bytes] = {}
+        self._nacked = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -265,7 +278,8 @@ class Publisher:
                     self._channel = None
                     self._check_connection(error)
                 # The server is reachable, so this queue itself is the problem.
-                reason = f"cannot declare queue {queue_name!r}: {_describe(error.__context__ or error)}"
+                shown = error if isinstance(error, ReliableError) else (error.__context__ or error)
+                reason = f"cannot declare queue {queue_name!r}: {_describe(shown)}"
                 for publication in members:
                     outcome.failed[publication.key] = reason
                 continue
@@ -345,6 +359,7 @@ class Publisher:
             self._check_connection(
                 BrokerUnavailable(f"RabbitMQ did not confirm {len(unconfirmed)} messages in {self._confirm_timeout_s}s")
             )
+            self._nacked = False
             for publication in unconfirmed:
                 outcome.timed_out.add(publication.key)
                 outcome.failed[publication.key] = (
@@ -352,6 +367,12 @@ class Publisher:
                     f"confirm_timeout_ms={round(self._confirm_timeout_s * 1000)}: a slow link or an oversized "
                     "message; retried with backoff (RabbitMQ may hold a copy)"
                 )
+        if self._nacked:
+            # A quorum queue nacks while it has no leader, and a channel whose first publish to
+            # it came during the election keeps the dead leader and nacks for a long time (30 s+
+            # seen on RabbitMQ 3.10); a fresh connection and channel find the new leader.
+            self._nacked = False
+            self._reset()
         return []
 
     def _frames(self, channel: Any, publication: Publication) -> bytes:
@@ -415,6 +436,7 @@ class Publisher:
                 self._outcome.confirmed.append(publication.key)
             else:
                 self._outcome.failed[publication.key] = returned or "RabbitMQ nacked the message"
+                self._nacked = self._nacked or (not acked and returned is None)
                 if returned is not None:
                     # The queue vanished after we declared it: declare it again next time.
                     self._declarer.queues_pending.add(q_name(publication.routing_key))
