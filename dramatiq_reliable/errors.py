@@ -13,6 +13,8 @@ Every error here says what went wrong and ends with the fix, and every one is a
           ├── NotBound                  send() with no bound transaction under on_unbound="error"
           ├── OutboxWriteError          the outbox insert failed; the message was not stored
           ├── BrokerUnavailable         RabbitMQ unreachable while publishing; nothing was marked sent
+          ├── QueueMismatch             a queue exists in RabbitMQ with another type or arguments than declared
+          ├── DeliveryLimitReached      a message delivered delivery_limit times without an ack: not run again
           ├── DatabaseUnavailable       (also MiddlewareError) Postgres unreachable in a before-hook
           ├── MiddlewareFailed          (also MiddlewareError) an unexpected error in a before-hook of ours
           ├── Unrecoverable             raised by an actor: never retried, dead-lettered at once
@@ -47,6 +49,7 @@ __all__ = [
     "CommitOutcomeUnknown",
     "ConfigurationError",
     "DatabaseUnavailable",
+    "DeliveryLimitReached",
     "IdempotencyConflict",
     "IdempotencyKeyError",
     "JobCommitFailed",
@@ -55,6 +58,7 @@ __all__ = [
     "NotBound",
     "OutboxWriteError",
     "PayloadError",
+    "QueueMismatch",
     "ReliableError",
     "ScheduleDisabled",
     "ScheduleNotFound",
@@ -132,6 +136,33 @@ class BrokerUnavailable(ReliableError):
     """
 
     __module__ = _PUBLIC_MODULE
+
+
+class QueueMismatch(ReliableError):
+    """A queue exists in RabbitMQ with another type (classic, quorum) or other arguments than declared.
+
+    RabbitMQ refuses such a declaration with ``PRECONDITION_FAILED`` and closes the channel; this
+    error names the queue, both types and the way to move it.  Workers log it and retry their
+    consumer; the relay keeps the queue's rows in the outbox with it as their ``last_error``.
+    """
+
+    __module__ = _PUBLIC_MODULE
+
+
+class DeliveryLimitReached(ReliableError):
+    """A message was delivered ``delivery_limit`` times without being acked: it is not run again.
+
+    On a quorum queue RabbitMQ counts deliveries (``x-delivery-count``); a count that high means
+    each run ended with the worker dying or losing its connection (a segfault, the OOM killer, a
+    ``SIGKILL``).  The worker stores the message in ``dead_letters`` with the reason
+    ``delivery_limit`` instead of running it again.
+    """
+
+    __module__ = _PUBLIC_MODULE
+
+    def __init__(self, message: str, *, deliveries: int = 0) -> None:
+        super().__init__(message)
+        self.deliveries = deliveries
 
 
 class DatabaseUnavailable(ReliableError, MiddlewareError):

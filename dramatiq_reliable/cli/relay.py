@@ -82,6 +82,19 @@ def register(
         metavar="N",
         help="the workers' RabbitmqBroker max_priority, which the queues are declared with; must match (default: none)",
     )
+    parser.add_argument(
+        "--queue-type",
+        choices=("classic", "quorum"),
+        default="classic",
+        help="the workers' OutboxBroker queue_type, which the queues are declared with; must match (default: classic)",
+    )
+    parser.add_argument(
+        "--delivery-limit",
+        type=Integer(minimum=1, maximum=1_000_000),
+        default=20,
+        metavar="N",
+        help="the workers' OutboxBroker delivery_limit (quorum queues only); must match (default: 20)",
+    )
     parser.add_argument("--once", action="store_true", help="drain the backlog once and exit")
     parser.add_argument(
         "--progress-interval",
@@ -147,6 +160,8 @@ def _build(args: argparse.Namespace, url: str, database: Database) -> Relay:
         on_published=args.on_published,
         retention_ms=args.retention,
         max_priority=args.max_priority,
+        queue_type=args.queue_type,
+        delivery_limit=args.delivery_limit,
     )
 
 

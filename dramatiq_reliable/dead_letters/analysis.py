@@ -26,7 +26,7 @@ from dramatiq.middleware.time_limit import TimeLimitExceeded
 from .._checks import is_int
 from .._util import type_name as _type_name
 from ..classify import http_status_of
-from ..errors import CommitOutcomeUnknown, JobCommitFailed, Unrecoverable
+from ..errors import CommitOutcomeUnknown, DeliveryLimitReached, JobCommitFailed, Unrecoverable
 from .records import _MAX_ERROR_MESSAGE_CHARS, _MAX_NAME_CHARS, FIRST_FAILURE_OPTION
 
 __all__ = ["Culprit", "Failure", "find_culprit", "fingerprint", "format_traceback"]
@@ -297,7 +297,9 @@ def _describe_failure(
     # leftover "retry" decision belongs to an earlier attempt (the message then died otherwise).
     fresh = decision is not None and ran and decision.get("retry") is False
 
-    if prior_retries is not None:
+    if isinstance(exception, DeliveryLimitReached):
+        attempts = exception.deliveries  # each delivery ran until the worker died; none was counted
+    elif prior_retries is not None:
         attempts = prior_retries + (1 if ran else 0)
     elif fresh and decision is not None and _as_int(decision.get("attempt")) is not None:
         attempts = int(decision["attempt"])
@@ -375,6 +377,8 @@ def _reason(
         return "age_limit"
     if isinstance(exception, TimeLimitExceeded):
         return "time_limit"
+    if isinstance(exception, DeliveryLimitReached):
+        return "delivery_limit"
     if decision is not None:
         outcome = decision.get("outcome")
         if outcome in ("exhausted", "deadline"):

@@ -59,6 +59,9 @@ REASONS: Mapping[str, str] = {
     "age_limit": "it was older than its max_age when a worker got it, so it never ran",
     "imported_from_xq": "it was moved from RabbitMQ's .XQ queue by 'dead-letters import-xq'; the error and "
     "attempts are what the queued body held, which may be from an earlier attempt",
+    "delivery_limit": "it was delivered delivery_limit times on a quorum queue and never acked: each time the "
+    "worker died or lost its connection while running it (a crash, the OOM killer, SIGKILL), so it was not run "
+    "again",
     "failed": "it failed for good for another reason (an unknown actor, a middleware that failed it, a "
     "commit Postgres refused): see the error",
 }

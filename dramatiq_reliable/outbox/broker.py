@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import psycopg
@@ -30,16 +30,18 @@ from psycopg.rows import dict_row
 from .. import _sql, schema
 from ..backing import SendsTo
 from ..database import DatabaseLike
-from ..errors import SchemaNotReady
+from ..errors import PayloadError, SchemaNotReady
 from ..joining import join_until_empty
 from ..sending import DEFAULT_PAYLOAD_LIMIT_BYTES, Row, RowSending, TrackProcessing, Unbound
+from .delivery_limit import LimitedConsumer
+from .queues import DeclaresQueues, QueueSettings, QueueType
 
 __all__ = ["OutboxBroker"]
 
 logger = logging.getLogger("dramatiq_reliable.outbox")
 
 
-class OutboxBroker(RowSending, RabbitmqBroker):
+class OutboxBroker(DeclaresQueues, RowSending, RabbitmqBroker):
     """A RabbitMQ broker whose ``enqueue`` writes to a Postgres outbox instead of publishing.
 
     Where a message goes when it is sent:
@@ -82,6 +84,18 @@ class OutboxBroker(RowSending, RabbitmqBroker):
         transactional ``Idempotency`` job holds one for its whole run, so give it at least the
         worker's threads plus two (the relay and the dead letters); the worker warns otherwise.
       confirm_delivery: publisher confirms for the consumer thread's direct publishes.
+      queue_type: ``"classic"`` (Dramatiq's queues, the default) or ``"quorum"``: replicated
+        queues that survive the loss of a cluster node (docs/production-topology.md).  The
+        queue, its ``.DQ`` and its ``.XQ`` are declared with that type; relays built with
+        :meth:`Relay.from_broker` declare them the same way.  A queue that already exists with
+        the other type raises :class:`~dramatiq_reliable.errors.QueueMismatch`, which says how
+        to move it.  Quorum queues have no priorities on RabbitMQ 3.x: ``max_priority`` is
+        refused with them, and so is a send with ``broker_priority`` to one.
+      queue_types: per queue overrides of ``queue_type``, e.g. ``{"emails": "quorum"}``.
+      delivery_limit: on quorum queues, a message delivered this many times without an ack (each
+        time the worker died holding it) is stored as a dead letter (reason ``delivery_limit``)
+        instead of running again; RabbitMQ's own ``x-delivery-limit`` is set a few above it as a
+        backstop.  ``None`` removes both: a message that kills its worker then comes back forever.
       middleware, max_priority, parameters, **kwargs: as for ``RabbitmqBroker``.
 
     >>> broker = OutboxBroker(url="amqp://guest:guest@localhost:5672",
@@ -108,11 +122,20 @@ class OutboxBroker(RowSending, RabbitmqBroker):
         worker_write_timeout_ms: int = 30_000,
         pool_max_size: int = 10,
         confirm_delivery: bool = True,
+        queue_type: QueueType = "classic",
+        queue_types: Mapping[str, QueueType] | None = None,
+        delivery_limit: int | None = 20,
         middleware: list[Middleware] | None = None,
         max_priority: int | None = None,
         parameters: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> None:
+        self.queue_settings = QueueSettings(
+            queue_type=queue_type,
+            queue_types=dict(queue_types or {}),
+            max_priority=max_priority,
+            delivery_limit=delivery_limit,
+        )
         self._init_sending(
             database=database,
             schema=schema,
@@ -137,6 +160,11 @@ class OutboxBroker(RowSending, RabbitmqBroker):
         super().close()
         self.database.close()
 
+    @property
+    def consumer_class(self) -> Any:
+        """Dramatiq's consumer, with the delivery limit applied on quorum queues."""
+        return LimitedConsumer
+
     # -- sending -----------------------------------------------------------------------------
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
@@ -145,6 +173,14 @@ class OutboxBroker(RowSending, RabbitmqBroker):
             # The consumer thread moves a due message from .DQ to its queue; the source
             # message is acked only after this publish succeeds, so publishing directly is safe.
             return RabbitmqBroker.enqueue(self, message, delay=delay)
+        priority = message.options.get("broker_priority")
+        if priority is not None and self.queue_settings.type_of(message.queue_name) == "quorum":
+            # RabbitMQ 3.x quorum queues ignore the priority: refuse rather than reorder nothing.
+            raise PayloadError(
+                f"message to actor {message.actor_name!r} has broker_priority={priority!r} but queue "
+                f"{q_name(message.queue_name)!r} is a quorum queue, which has no priorities on RabbitMQ 3.x; "
+                "drop broker_priority, or give urgent work its own queue (queue_types={'urgent': 'quorum'})"
+            )
         return super().enqueue(message, delay=delay)
 
     def _insert(self, conn: psycopg.Connection[Any], row: Row) -> None:

@@ -14,8 +14,9 @@ for every message (persistent delivery, the message id, the priority), so it is 
 directly rather than through pika's general property encoder, the largest per-message cost
 left; ``tests/unit/test_publisher_frames.py`` checks it byte for byte against pika's.
 
-Queues are declared through a middleware-free ``RabbitmqBroker``, so they get exactly the
-arguments Dramatiq's workers declare (dead-letter routing to ``.XQ``, the delay queue, priority).
+Queues are declared through a middleware-free ``RabbitmqBroker`` with the workers'
+:class:`~dramatiq_reliable.outbox.queues.QueueSettings`, so they get exactly the arguments the
+workers declare (dead-letter routing to ``.XQ``, the delay queue, priority, quorum type).
 
 Outcomes are per message: confirmed, or failed with a reason (nacked, unroutable, refused by a
 channel error).  A connection-level failure raises :class:`BrokerUnavailable` instead: then
@@ -41,7 +42,8 @@ from dramatiq.errors import BrokerConnectionError
 
 from .._checks import check_int, check_ms
 from .._util import rabbitmq_error, rabbitmq_reason
-from ..errors import BrokerUnavailable
+from ..errors import BrokerUnavailable, ReliableError
+from .queues import DeclaresQueues, QueueSettings
 
 __all__ = []
 
@@ -104,13 +106,28 @@ def bounded(parameters: Any, *, blocked_timeout_s: float) -> Any:
     return parameters
 
 
+class _Declarer(DeclaresQueues, RabbitmqBroker):
+    """A middleware-free broker that only declares queues, as the workers do."""
+
+    def __init__(self, queues: QueueSettings) -> None:
+        self.queue_settings = queues
+        super().__init__(middleware=[], max_priority=queues.max_priority)
+
+
 class Publisher:
     """Publishes batches to RabbitMQ with pipelined confirms.  Not thread-safe: one per relay thread."""
 
-    def __init__(self, parameters: Any, *, max_priority: int | None = None, confirm_timeout_ms: int = 30_000) -> None:
+    def __init__(
+        self,
+        parameters: Any,
+        *,
+        max_priority: int | None = None,
+        confirm_timeout_ms: int = 30_000,
+        queues: QueueSettings | None = None,
+    ) -> None:
         check_int("max_priority", max_priority, minimum=1, maximum=255, allow_none=True)
         check_ms("confirm_timeout_ms", confirm_timeout_ms, minimum=1)
-        self._declarer = RabbitmqBroker(middleware=[], max_priority=max_priority)
+        self._declarer = _Declarer(queues if queues is not None else QueueSettings(max_priority=max_priority))
         self._confirm_timeout_s = confirm_timeout_ms / 1000
         self._declarer.parameters = bounded(parameters, blocked_timeout_s=self._confirm_timeout_s)
         self._channel: Any = None  # pika.channel.Channel (the asynchronous one) in confirm mode
@@ -215,7 +232,8 @@ class Publisher:
                     self._channel = None
                     self._check_connection(error)
                 # The server is reachable, so this queue itself is the problem.
-                reason = f"cannot declare queue {queue_name!r}: {_describe(error.__context__ or error)}"
+                shown = error if isinstance(error, ReliableError) else (error.__context__ or error)
+                reason = f"cannot declare queue {queue_name!r}: {_describe(shown)}"
                 for publication in members:
                     outcome.failed[publication.key] = reason
                 continue

@@ -27,6 +27,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -47,6 +48,7 @@ from ..errors import BrokerUnavailable, ConfigurationError, SchemaNotReady
 from . import wake
 from .events import OutboxBatchPublished, OutboxBrokerUnavailable, OutboxPublished, OutboxRowFailed, RelayedMessage
 from .publisher import Publication, Publisher, PublishOutcome
+from .queues import QueueSettings, QueueType
 
 __all__ = [
     "OnPublished",
@@ -133,6 +135,7 @@ class Relay:
       schema: the Postgres schema of the tables.
       max_priority: as for ``RabbitmqBroker``: the queues are declared with it, so it must
         match the workers' setting (:meth:`from_broker` takes the broker's).
+      queue_type / queue_types / delivery_limit: as for ``OutboxBroker``, for the same reason.
       batch_size: rows claimed and published per pass.
       poll_interval_ms: the idle ceiling: the longest sleep between probes of an idle outbox,
         and so the longest a row committed after a long idle waits for this relay.  After an
@@ -176,6 +179,9 @@ class Relay:
         database: DatabaseLike,
         schema: str = _sql.DEFAULT_SCHEMA,
         max_priority: int | None = None,
+        queue_type: QueueType = "classic",
+        queue_types: Mapping[str, QueueType] | None = None,
+        delivery_limit: int | None = 20,
         batch_size: int = RelayOptions.batch_size,
         poll_interval_ms: int = RelayOptions.poll_interval_ms,
         on_published: OnPublished = RelayOptions.on_published,
@@ -210,6 +216,12 @@ class Relay:
             statement_timeout_ms=statement_timeout_ms,
         )
         self.max_priority: int | None = check_int("max_priority", max_priority, minimum=1, maximum=255, allow_none=True)
+        queues = QueueSettings(
+            queue_type=queue_type,
+            queue_types=dict(queue_types or {}),
+            max_priority=max_priority,
+            delivery_limit=delivery_limit,
+        )
         self.schema = _sql.validate_schema(schema)
         self.database = Database.of(database)
         self.batch_size = self.options.batch_size
@@ -224,9 +236,7 @@ class Relay:
         if parameters is None:
             parameters = [pika.URLParameters(u) for u in str(rabbitmq_url).split(";")]
             parameters = parameters[0] if len(parameters) == 1 else parameters
-        self.publisher = Publisher(
-            parameters, max_priority=self.max_priority, confirm_timeout_ms=self.options.confirm_timeout_ms
-        )
+        self.publisher = Publisher(parameters, confirm_timeout_ms=self.options.confirm_timeout_ms, queues=queues)
         self._stop = threading.Event()
         self._checked_schema = False
         self._listener: psycopg.Connection[Any] | None = None
@@ -253,7 +263,7 @@ class Relay:
         max_attempts: int | None = RelayOptions.max_attempts,
         statement_timeout_ms: int = RelayOptions.statement_timeout_ms,
     ) -> Relay:
-        """A relay that shares ``broker``'s RabbitMQ parameters, pool, schema and ``max_priority``.
+        """A relay that shares ``broker``'s RabbitMQ parameters, pool, schema and queue settings.
 
         The options are :class:`Relay`'s; where the relay publishes and what it reads come
         from the broker, so the relay always declares the queues as its workers do.
@@ -268,7 +278,10 @@ class Relay:
             parameters=backed.parameters,
             database=backed.database,
             schema=backed.schema,
-            max_priority=backed.max_priority,
+            max_priority=backed.queues.max_priority,
+            queue_type=backed.queues.queue_type,
+            queue_types=backed.queues.queue_types,
+            delivery_limit=backed.queues.delivery_limit,
             batch_size=batch_size,
             poll_interval_ms=poll_interval_ms,
             on_published=on_published,
@@ -836,7 +849,7 @@ class _Source:
     """What a relay built from a broker takes from it: where to publish and where the rows are."""
 
     parameters: Any
-    max_priority: int | None
+    queues: QueueSettings
     database: Database
     schema: str
 
@@ -847,4 +860,5 @@ def _outbox_broker(broker: object) -> _Source | None:
     backed = postgres_backed(broker)
     if backed is None or backed.sends_to != "outbox" or not isinstance(broker, RabbitmqBroker):
         return None
-    return _Source(broker.parameters, broker.max_priority, backed.database, backed.schema)
+    queues = getattr(broker, "queue_settings", None) or QueueSettings(max_priority=broker.max_priority)
+    return _Source(broker.parameters, queues, backed.database, backed.schema)

@@ -220,6 +220,7 @@ def test_every_reason_has_its_own_explanation_and_nothing_else_is_a_reason():
         "time_limit",
         "age_limit",
         "imported_from_xq",
+        "delivery_limit",
         "failed",
     }
     assert len(set(REASONS.values())) == len(REASONS)
