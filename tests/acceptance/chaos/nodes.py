@@ -18,6 +18,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from rabbitmq_nodes import RabbitCluster
 
@@ -126,8 +127,11 @@ class NodeChaos(threading.Thread):
         self._halt.set()
 
 
-def stalls(effect_times: Sequence[float], disruptions: Sequence[Disruption], end: float) -> dict[str, float]:
+def stalls(effect_times: Sequence[float], disruptions: Sequence[Disruption], end: float) -> dict[str, Any]:
     """The longest time without a completed job, before the first disruption and around each one.
+
+    ``baseline`` (before the first) is one number; each kind of disruption, e.g.
+    ``kill_quorum_home``, gets a list, one figure per disruption in order.
 
     ``effect_times`` are the wall-clock times of the effect rows; a disruption's window runs from
     the moment its node went down to the next disruption (or ``end``).  The gap that spans the
@@ -135,7 +139,7 @@ def stalls(effect_times: Sequence[float], disruptions: Sequence[Disruption], end
     """
     times = sorted(effect_times)
     bounds = [d.down_at for d in disruptions] + [end]
-    result: dict[str, float] = {}
+    result: dict[str, Any] = {}
     if times and disruptions:
         before = [t for t in times if t < bounds[0]]
         gaps = [b - a for a, b in itertools.pairwise(before)]
@@ -153,5 +157,5 @@ def stalls(effect_times: Sequence[float], disruptions: Sequence[Disruption], end
                 break
         if previous < stop and not any(t >= stop for t in times):
             longest = max(longest, stop - previous)
-        result[f"{disruption.action}_{disruption.queue_type}_home"] = round(longest, 2)
+        result.setdefault(f"{disruption.action}_{disruption.queue_type}_home", []).append(round(longest, 2))
     return result

@@ -25,11 +25,12 @@ variable                 meaning                                                
 =======================  ===========================================================  =========
 ``CHAOS_COUNT``          as above                                                      300
 ``CHAOS_SECONDS``        as above                                                      ``max(40, count / 8)``
-``CHAOS_KILLS``          as above                                                      1
+``CHAOS_KILLS``          as above                                                      ``max(1, seconds / 40)``
 ``CHAOS_CUTS``           cuts of Postgres only (RabbitMQ's outages are the nodes')     0
 ``CHAOS_QUEUE_TYPE``     ``quorum`` or ``classic`` (today's default, to compare)       quorum
 ``CHAOS_SPREAD``         ``1``: process i starts at node i; ``0``: all at node 1      1
 ``CHAOS_NODE_DOWN_MS``   how long each node stays down                                5000
+``CHAOS_NODE_CYCLES``    how many times the home node is stopped, then SIGKILLed      ``max(1, seconds / 60)``
 =======================  ===========================================================  =========
 
 The work time is long on purpose: a Postgres cut then finds several jobs between their write
@@ -98,6 +99,7 @@ class Settings:
     queue_type: str = "classic"
     spread: bool = True
     node_down_ms: int = 5000
+    node_cycles: int = 1
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *, cluster: bool = False) -> Settings:
@@ -105,7 +107,7 @@ class Settings:
         seed = int(env["CHAOS_SEED"]) if env.get("CHAOS_SEED") else secrets.randbelow(2**31)
         count = int(env.get("CHAOS_COUNT") or (300 if cluster else 600))
         seconds = float(env.get("CHAOS_SECONDS") or (max(40.0, count / 8) if cluster else max(20.0, count / 40)))
-        kills = env.get("CHAOS_KILLS") or (1 if cluster else max(3, int(seconds / 10)))
+        kills = env.get("CHAOS_KILLS") or (max(1, int(seconds / 40)) if cluster else max(3, int(seconds / 10)))
         cuts = env.get("CHAOS_CUTS") or (0 if cluster else max(2, int(seconds / 15)))
         queue_type = env.get("CHAOS_QUEUE_TYPE") or ("quorum" if cluster else "classic")
         if queue_type not in ("classic", "quorum"):
@@ -123,11 +125,23 @@ class Settings:
             queue_type=queue_type,
             spread=(env.get("CHAOS_SPREAD") or "1") != "0",
             node_down_ms=int(env.get("CHAOS_NODE_DOWN_MS") or DEFAULT_DOWN_MS),
+            node_cycles=int(env.get("CHAOS_NODE_CYCLES") or max(1, int(seconds / 60))),
         )
 
     def node_plan(self) -> list[tuple[float, str]]:
-        """When the queue's home node is stopped and, later, SIGKILLed (seconds into the window)."""
-        return [(0.1 * self.seconds, "stop"), (0.5 * self.seconds, "kill")] if self.cluster else []
+        """When the queue's home node is stopped and, later, SIGKILLed (seconds into the window).
+
+        Each cycle has its slot of the window: a stop at 10% of it, a kill at 50% (or once the
+        stopped node is back, whichever is later).
+        """
+        if not self.cluster:
+            return []
+        slot = self.seconds / self.node_cycles
+        return [
+            (i * slot + share * slot, action)
+            for i in range(self.node_cycles)
+            for share, action in ((0.1, "stop"), (0.5, "kill"))
+        ]
 
 
 # -- the schedule ----------------------------------------------------------------------------
