@@ -135,7 +135,8 @@ def stalls(effect_times: Sequence[float], disruptions: Sequence[Disruption], end
 
     ``effect_times`` are the wall-clock times of the effect rows; a disruption's window runs from
     the moment its node went down to the next disruption (or ``end``).  The gap that spans the
-    moment the node went down counts for it.
+    moment the node went down counts for it; the quiet after the last effect does not (the
+    orders ran out, nothing was held up).
     """
     times = sorted(effect_times)
     bounds = [d.down_at for d in disruptions] + [end]
@@ -155,7 +156,5 @@ def stalls(effect_times: Sequence[float], disruptions: Sequence[Disruption], end
             previous = t
             if t >= stop:
                 break
-        if previous < stop and not any(t >= stop for t in times):
-            longest = max(longest, stop - previous)
         result.setdefault(f"{disruption.action}_{disruption.queue_type}_home", []).append(round(longest, 2))
     return result
