@@ -135,7 +135,7 @@ def stalls(effect_times: Sequence[float], disruptions: Sequence[Disruption], end
 
     ``effect_times`` are the wall-clock times of the effect rows; a disruption's window runs from
     the moment its node went down to the next disruption (or ``end``).  The gap that spans the
-    moment the node went down counts for it; the quiet after the last effect does not (the
+    moment the node went down counts for it (and not for the one before); the quiet after the last effect does not (the
     orders ran out, nothing was held up).
     """
     times = sorted(effect_times)
@@ -152,9 +152,9 @@ def stalls(effect_times: Sequence[float], disruptions: Sequence[Disruption], end
         for t in times:
             if t <= start:
                 continue
+            if t > stop:
+                break  # this gap spans the next disruption's moment: it counts for that one
             longest = max(longest, t - previous)
             previous = t
-            if t >= stop:
-                break
         result.setdefault(f"{disruption.action}_{disruption.queue_type}_home", []).append(round(longest, 2))
     return result

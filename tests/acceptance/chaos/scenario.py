@@ -600,6 +600,11 @@ def execute(run: Run, conn: psycopg.Connection[Any], rabbit: Rabbit) -> tuple[Le
             "duration_s": round(time.monotonic() - began, 1),
         }
         if nodes is not None:
+            effect_times = _effect_times(conn, run.schema)
+            # Kept beside the timeline, so a stall can be looked at again after the run.
+            (run.log_dir / "effect_times.txt").write_text(
+                "\n".join(f"{t - wall_started:.3f}" for t in sorted(effect_times)) + "\n"
+            )
             info["cluster"] = {
                 "queue_type": settings.queue_type,
                 "spread": settings.spread,
@@ -610,7 +615,7 @@ def execute(run: Run, conn: psycopg.Connection[Any], rabbit: Rabbit) -> tuple[Le
                 ],
                 "node_down_s": settings.node_down_ms / 1000,
                 # The longest time without a completed job, before the first disruption and around each.
-                "stall_s": stalls(_effect_times(conn, run.schema), nodes.disruptions, ended),
+                "stall_s": stalls(effect_times, nodes.disruptions, ended),
             }
         if conductor.error is not None:
             raise AssertionError(f"the chaos conductor failed: {conductor.error!r}") from conductor.error
