@@ -1,7 +1,7 @@
 """Relay benchmark: our relay against raw pika and a naive relay, measured side by side in one run.
 
     python benchmarks/relay.py [--rows 20000] [--rounds 3] [--retained 1000000] [--scaling-rows 10000]
-                               [--naive-rows 2000] [--latency-seconds 5] [--sends 2000]
+                               [--naive-rows 2000] [--latency-seconds 5] [--sends 2000] [--quorum | --quorum-only]
 
 Measures, on the same servers:
   1. throughput, in ``--rounds`` interleaved rounds (medians reported): raw pika publishing
@@ -15,7 +15,12 @@ Measures, on the same servers:
      four queues;
   4. a naive relay: claim rows, publish each with a blocking confirm, mark them;
   5. commit-to-confirmed latency p50/p99 at a steady 500 messages/s (the relay finds new rows by itself: no NOTIFY since migration 6);
-  6. ``send()`` inside an open transaction vs Dramatiq's own ``send()`` with confirm_delivery=True.
+  6. ``send()`` inside an open transaction vs Dramatiq's own ``send()`` with confirm_delivery=True;
+  7. with ``--quorum`` (or only this, ``--quorum-only``): throughput to a quorum queue on a 3-node
+     cluster, our relay vs raw pika with pipelined confirms to a quorum queue declared with the
+     same arguments, both through the same node, interleaved rounds (``quorum_ratio_to_baseline``).
+     The cluster is three nodes started from the machine's RabbitMQ by ``tests/rabbitmq_nodes.py``
+     (root needed), or the nodes named in ``QUORUM_RABBITMQ_URLS`` (``;``-separated).
 Backlogs are built with one ``INSERT ... SELECT generate_series`` each (bodies the size and
 shape ``send()`` writes, one message id each).  Everything created is dropped at the end.
 The last line printed is one JSON object with the figures and ratios.
@@ -29,6 +34,7 @@ import json
 import multiprocessing
 import os
 import statistics
+import sys
 import threading
 import time
 import uuid
@@ -92,11 +98,13 @@ def fast_fill(schema: str, template: bytes, queues: list[str], rows: int, *, pub
         conn.execute(sql.SQL(command).format(sql.Identifier(schema)))
 
 
-def raw_pika(queue: str, bodies: list[bytes], window: int) -> float:
+def raw_pika(
+    queue: str, bodies: list[bytes], window: int, *, url: str = RABBITMQ_URL, arguments: dict[str, Any] | None = None
+) -> float:
     """Publish with pipelined confirms using pika directly; return messages/s."""
-    connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+    connection = pika.BlockingConnection(pika.URLParameters(url))
     channel = connection.channel()
-    channel.queue_declare(queue, durable=True)
+    channel.queue_declare(queue, durable=True, arguments=arguments)
     impl = channel._impl
     outstanding: set[int] = set()
     selected: list[bool] = []
@@ -122,15 +130,23 @@ def raw_pika(queue: str, bodies: list[bytes], window: int) -> float:
     return len(bodies) / elapsed
 
 
-def raw_frames(queue: str, bodies: list[bytes], window: int, *, per_write: int = 128) -> float:
+def raw_frames(
+    queue: str,
+    bodies: list[bytes],
+    window: int,
+    *,
+    per_write: int = 128,
+    url: str = RABBITMQ_URL,
+    arguments: dict[str, Any] | None = None,
+) -> float:
     """As :func:`raw_pika`, but ``per_write`` messages' frames go out in one socket write.
 
     ``basic_publish`` writes each of a message's three frames on its own; this is the rate pika
     can reach on these servers when that cost is taken away (our relay writes this way).
     """
-    connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+    connection = pika.BlockingConnection(pika.URLParameters(url))
     channel = connection.channel()
-    channel.queue_declare(queue, durable=True)
+    channel.queue_declare(queue, durable=True, arguments=arguments)
     impl = channel._impl
     outstanding: set[int] = set()
     selected: list[bool] = []
@@ -353,6 +369,68 @@ def scaling(schema: str, template: bytes, queues: list[str], rows: int, relays: 
     return float(published / (max(o[2] for o in outcomes) - min(o[1] for o in outcomes)))
 
 
+@contextlib.contextmanager
+def quorum_cluster() -> Any:
+    """The URLs of a 3-node cluster: ``QUORUM_RABBITMQ_URLS``, or three nodes started here and killed after."""
+    given = os.environ.get("QUORUM_RABBITMQ_URLS")
+    if given:
+        yield given.split(";")
+        return
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import rabbitmq_nodes  # the tests' helper, only for this case
+
+    reason = rabbitmq_nodes.available()
+    if reason is not None:
+        raise SystemExit(f"cannot start a RabbitMQ cluster here ({reason}); set QUORUM_RABBITMQ_URLS")
+    log("   starting three RabbitMQ nodes (about 30 s)")
+    with rabbitmq_nodes.cluster(3) as cluster:
+        yield cluster.urls
+
+
+def quorum_case(make: Any, sample: bytes, queue: str, rows: int, rounds: int, batch_size: int) -> dict[str, Any]:
+    """Our relay vs raw pika, both to quorum queues through the cluster's first node."""
+    from dramatiq_reliable.outbox.queues import QueueSettings
+
+    with quorum_cluster() as urls:
+        url = urls[0]  # one node for both: the same hop to the queue's leader (declared from it)
+        broker = make(url)
+        schema = broker.schema
+        quorum_queue = f"{queue}_quorum"
+        raw_queue = f"{queue}_quorum_raw"
+        arguments = QueueSettings(queue_type="quorum").arguments(raw_queue)
+        raw_rates: list[float] = []
+        frame_rates: list[float] = []
+        our_rates: list[float] = []
+        admin = pika.BlockingConnection(pika.URLParameters(url)).channel()
+        try:
+            for round_ in range(rounds):
+                raw_rates.append(raw_pika(raw_queue, [sample] * rows, batch_size, url=url, arguments=arguments))
+                frame_rates.append(raw_frames(raw_queue, [sample] * rows, batch_size, url=url, arguments=arguments))
+                fast_fill(schema, sample, [quorum_queue], rows)
+                our_rates.append(drain_rate(broker, [quorum_queue], batch_size))
+                admin.queue_purge(quorum_queue)
+                log(
+                    f"   round {round_ + 1}: raw pika {raw_rates[-1]:,.0f}, raw frames {frame_rates[-1]:,.0f}, "
+                    f"our relay {our_rates[-1]:,.0f} msg/s"
+                )
+        finally:
+            for name in (quorum_queue, dq_name(quorum_queue), xq_name(quorum_queue), raw_queue):
+                with contextlib.suppress(pika.exceptions.AMQPError):
+                    admin.queue_delete(name)
+            admin.connection.close()
+    ratios = [o / b for o, b in zip(our_rates, raw_rates, strict=True)]
+    return {
+        "quorum_relay_rows_per_s": round(statistics.median(our_rates)),
+        "quorum_baseline_rows_per_s": round(statistics.median(raw_rates)),
+        "quorum_ratio_to_baseline": round(statistics.median(ratios), 3),
+        "quorum_ratio_to_baseline_rounds": [round(r, 3) for r in ratios],
+        "quorum_frames_baseline_rows_per_s": round(statistics.median(frame_rates)),
+        "quorum_ratio_to_frames_baseline": round(
+            statistics.median(o / b for o, b in zip(our_rates, frame_rates, strict=True)), 3
+        ),
+    }
+
+
 def new_schema(prefix: str) -> str:
     schema = f"{prefix}_{uuid.uuid4().hex[:8]}"
     migrate(DATABASE_URL, schema=schema)
@@ -371,6 +449,8 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=500)
     parser.add_argument("--sends", type=int, default=2_000)
     parser.add_argument("--prefix", default="perfrelay", help="schema and queue name prefix")
+    parser.add_argument("--quorum", action="store_true", help="also measure quorum queues on a 3-node cluster")
+    parser.add_argument("--quorum-only", action="store_true", help="measure only the quorum case")
     args = parser.parse_args()
 
     tag = uuid.uuid4().hex[:8]
@@ -380,9 +460,9 @@ def main() -> None:
     admin = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL)).channel()
     brokers: list[OutboxBroker] = []
 
-    def outbox(prefix: str) -> OutboxBroker:
+    def outbox(prefix: str, url: str = RABBITMQ_URL, **options: Any) -> OutboxBroker:
         schemas.append(new_schema(prefix))
-        made = OutboxBroker(url=RABBITMQ_URL, database=DATABASE_URL, schema=schemas[-1])
+        made = OutboxBroker(url=url, database=DATABASE_URL, schema=schemas[-1], **options)
         brokers.append(made)
         return made
 
@@ -394,116 +474,138 @@ def main() -> None:
         # Bodies of the same size and shape our relay publishes, for a like-for-like baseline.
         sample = actor.message(0).encode()
 
-        log(f"1. throughput, {args.rounds} interleaved rounds of {args.rows} messages of {len(sample)} bytes")
-        raw_rates: list[float] = []
-        frame_rates: list[float] = []
-        our_rates: list[float] = []
-        for round_ in range(args.rounds):
-            raw_rates.append(raw_pika(f"{queue}_raw", [sample] * args.rows, args.batch_size))
-            frame_rates.append(raw_frames(f"{queue}_raw", [sample] * args.rows, args.batch_size))
-            fast_fill(schema, sample, [queue], args.rows)
-            our_rates.append(drain_rate(broker, [queue], args.batch_size))
-            admin.queue_purge(queue)
+        if args.quorum or args.quorum_only:
             log(
-                f"   round {round_ + 1}: raw pika {raw_rates[-1]:,.0f}, raw frames {frame_rates[-1]:,.0f}, "
-                f"our relay {our_rates[-1]:,.0f} msg/s"
+                f"quorum (7.): quorum queues on a 3-node cluster, {args.rounds} interleaved rounds of {args.rows} messages"
             )
-        baseline = statistics.median(raw_rates)
-        frames_baseline = statistics.median(frame_rates)
-        ours = statistics.median(our_rates)
-        ratios = [o / b for o, b in zip(our_rates, raw_rates, strict=True)]
-        results |= {
-            "relay_rows_per_s": round(ours),
-            "baseline_rows_per_s": round(baseline),
-            "ratio_to_baseline": round(statistics.median(ratios), 3),
-            "ratio_to_baseline_rounds": [round(r, 3) for r in ratios],
-            "frames_baseline_rows_per_s": round(frames_baseline),
-            "ratio_to_frames_baseline": round(
-                statistics.median(o / b for o, b in zip(our_rates, frame_rates, strict=True)), 3
-            ),
-        }
-        log(f"   medians: raw pika {baseline:,.0f}, raw frames {frames_baseline:,.0f}, ours {ours:,.0f} msg/s")
-
-        if args.retained:
-            log(f"2. the same drain beside {args.retained:,} retained published rows, {args.rounds} rounds")
-            kept = outbox(f"{args.prefix}_k")
-            started = time.perf_counter()
-            fast_fill(schemas[-1], sample, [queue], args.retained, published=True)
-            log(f"   built {args.retained:,} published rows in {time.perf_counter() - started:.1f} s")
-            empty_rates: list[float] = []
-            kept_rates: list[float] = []
-            empty_ms: list[float] = []
-            kept_ms: list[float] = []
+            results |= quorum_case(
+                lambda url: outbox(f"{args.prefix}_q", url, queue_type="quorum"),
+                sample,
+                queue,
+                args.rows,
+                args.rounds,
+                args.batch_size,
+            )
+            log(
+                f"   medians: raw pika {results['quorum_baseline_rows_per_s']:,}, ours "
+                f"{results['quorum_relay_rows_per_s']:,} msg/s, ratio {results['quorum_ratio_to_baseline']}"
+            )
+        if args.quorum_only:
+            results |= {"batch_size": args.batch_size, "rows": args.rows, "rounds": args.rounds}
+        else:
+            log(f"1. throughput, {args.rounds} interleaved rounds of {args.rows} messages of {len(sample)} bytes")
+            raw_rates: list[float] = []
+            frame_rates: list[float] = []
+            our_rates: list[float] = []
             for round_ in range(args.rounds):
+                raw_rates.append(raw_pika(f"{queue}_raw", [sample] * args.rows, args.batch_size))
+                frame_rates.append(raw_frames(f"{queue}_raw", [sample] * args.rows, args.batch_size))
                 fast_fill(schema, sample, [queue], args.rows)
-                empty_rates.append(drain_rate(broker, [queue], args.batch_size))
-                fast_fill(schemas[-1], sample, [queue], args.rows)
-                kept_rates.append(drain_rate(kept, [queue], args.batch_size))
+                our_rates.append(drain_rate(broker, [queue], args.batch_size))
                 admin.queue_purge(queue)
-                fast_fill(schema, sample, [queue], args.rows)
-                empty_ms.append(db_batch_ms(schema, args.batch_size))
-                fast_fill(schemas[-1], sample, [queue], args.rows)
-                kept_ms.append(db_batch_ms(schemas[-1], args.batch_size))
                 log(
-                    f"   round {round_ + 1}: none retained {empty_rates[-1]:,.0f}, retained {kept_rates[-1]:,.0f} msg/s; "
-                    f"Postgres only {empty_ms[-1]:.1f} vs {kept_ms[-1]:.1f} ms a batch"
+                    f"   round {round_ + 1}: raw pika {raw_rates[-1]:,.0f}, raw frames {frame_rates[-1]:,.0f}, "
+                    f"our relay {our_rates[-1]:,.0f} msg/s"
                 )
+            baseline = statistics.median(raw_rates)
+            frames_baseline = statistics.median(frame_rates)
+            ours = statistics.median(our_rates)
+            ratios = [o / b for o, b in zip(our_rates, raw_rates, strict=True)]
             results |= {
-                "retained_rows": args.retained,
-                "retained_rows_per_s": round(statistics.median(kept_rates)),
-                "retained_none_rows_per_s": round(statistics.median(empty_rates)),
-                "retained_ratio": round(
-                    statistics.median(k / e for k, e in zip(kept_rates, empty_rates, strict=True)), 3
+                "relay_rows_per_s": round(ours),
+                "baseline_rows_per_s": round(baseline),
+                "ratio_to_baseline": round(statistics.median(ratios), 3),
+                "ratio_to_baseline_rounds": [round(r, 3) for r in ratios],
+                "frames_baseline_rows_per_s": round(frames_baseline),
+                "ratio_to_frames_baseline": round(
+                    statistics.median(o / b for o, b in zip(our_rates, frame_rates, strict=True)), 3
                 ),
-                # Time per batch, so the ratio is none over retained (>= 0.9 means flat), like the others.
-                "retained_db_batch_ms": round(statistics.median(kept_ms), 2),
-                "retained_none_db_batch_ms": round(statistics.median(empty_ms), 2),
-                "retained_db_ratio": round(statistics.median(e / k for e, k in zip(empty_ms, kept_ms, strict=True)), 3),
             }
+            log(f"   medians: raw pika {baseline:,.0f}, raw frames {frames_baseline:,.0f}, ours {ours:,.0f} msg/s")
 
-        if args.scaling_rows:
-            log(f"3. 1, 2 and 4 relay processes draining {args.scaling_rows} rows")
-            for label, queues in (("one_queue", scaling_queues[:1]), ("four_queues", scaling_queues)):
-                rates = [
-                    scaling(schema, sample, queues, args.scaling_rows, relays, args.batch_size) for relays in (1, 2, 4)
-                ]
-                for name in queues:
-                    admin.queue_purge(name)
-                log(
-                    f"   {label}: "
-                    + ", ".join(f"{n} relays {r:,.0f} msg/s" for n, r in zip((1, 2, 4), rates, strict=True))
-                )
-                results[f"scaling_{label}"] = [round(r) for r in rates]
-                results[f"scaling_{label}_ratio"] = [round(r / rates[0], 2) for r in rates]
+            if args.retained:
+                log(f"2. the same drain beside {args.retained:,} retained published rows, {args.rounds} rounds")
+                kept = outbox(f"{args.prefix}_k")
+                started = time.perf_counter()
+                fast_fill(schemas[-1], sample, [queue], args.retained, published=True)
+                log(f"   built {args.retained:,} published rows in {time.perf_counter() - started:.1f} s")
+                empty_rates: list[float] = []
+                kept_rates: list[float] = []
+                empty_ms: list[float] = []
+                kept_ms: list[float] = []
+                for round_ in range(args.rounds):
+                    fast_fill(schema, sample, [queue], args.rows)
+                    empty_rates.append(drain_rate(broker, [queue], args.batch_size))
+                    fast_fill(schemas[-1], sample, [queue], args.rows)
+                    kept_rates.append(drain_rate(kept, [queue], args.batch_size))
+                    admin.queue_purge(queue)
+                    fast_fill(schema, sample, [queue], args.rows)
+                    empty_ms.append(db_batch_ms(schema, args.batch_size))
+                    fast_fill(schemas[-1], sample, [queue], args.rows)
+                    kept_ms.append(db_batch_ms(schemas[-1], args.batch_size))
+                    log(
+                        f"   round {round_ + 1}: none retained {empty_rates[-1]:,.0f}, retained {kept_rates[-1]:,.0f} msg/s; "
+                        f"Postgres only {empty_ms[-1]:.1f} vs {kept_ms[-1]:.1f} ms a batch"
+                    )
+                results |= {
+                    "retained_rows": args.retained,
+                    "retained_rows_per_s": round(statistics.median(kept_rates)),
+                    "retained_none_rows_per_s": round(statistics.median(empty_rates)),
+                    "retained_ratio": round(
+                        statistics.median(k / e for k, e in zip(kept_rates, empty_rates, strict=True)), 3
+                    ),
+                    # Time per batch, so the ratio is none over retained (>= 0.9 means flat), like the others.
+                    "retained_db_batch_ms": round(statistics.median(kept_ms), 2),
+                    "retained_none_db_batch_ms": round(statistics.median(empty_ms), 2),
+                    "retained_db_ratio": round(
+                        statistics.median(e / k for e, k in zip(empty_ms, kept_ms, strict=True)), 3
+                    ),
+                }
 
-        log(f"4. naive relay, one blocking confirm per row, {args.naive_rows} rows")
-        fill_outbox(broker, actor, args.naive_rows)
-        naive = naive_relay(DATABASE_URL, schema, args.naive_rows, args.batch_size)
-        log(f"   {naive:,.0f} rows/s")
-        admin.queue_purge(queue)
+            if args.scaling_rows:
+                log(f"3. 1, 2 and 4 relay processes draining {args.scaling_rows} rows")
+                for label, queues in (("one_queue", scaling_queues[:1]), ("four_queues", scaling_queues)):
+                    rates = [
+                        scaling(schema, sample, queues, args.scaling_rows, relays, args.batch_size)
+                        for relays in (1, 2, 4)
+                    ]
+                    for name in queues:
+                        admin.queue_purge(name)
+                    log(
+                        f"   {label}: "
+                        + ", ".join(f"{n} relays {r:,.0f} msg/s" for n, r in zip((1, 2, 4), rates, strict=True))
+                    )
+                    results[f"scaling_{label}"] = [round(r) for r in rates]
+                    results[f"scaling_{label}_ratio"] = [round(r / rates[0], 2) for r in rates]
 
-        log(f"5. latency at {args.rate} msg/s for {args.latency_seconds}s, the relay waking by itself")
-        p50, p99, lost = latency(broker, actor, queue, args.latency_seconds, args.rate)
-        log(f"   p50 {p50:.2f} ms, p99 {p99:.2f} ms, undelivered {lost}")
-        admin.queue_purge(queue)
+            log(f"4. naive relay, one blocking confirm per row, {args.naive_rows} rows")
+            fill_outbox(broker, actor, args.naive_rows)
+            naive = naive_relay(DATABASE_URL, schema, args.naive_rows, args.batch_size)
+            log(f"   {naive:,.0f} rows/s")
+            admin.queue_purge(queue)
 
-        log(f"6. send() cost, {args.sends} sends")
-        outbox_us, direct_us = send_costs(broker, queue, args.sends)
-        log(f"   outbox send in a transaction {outbox_us:.0f} us, Dramatiq confirmed send {direct_us:.0f} us")
+            log(f"5. latency at {args.rate} msg/s for {args.latency_seconds}s, the relay waking by itself")
+            p50, p99, lost = latency(broker, actor, queue, args.latency_seconds, args.rate)
+            log(f"   p50 {p50:.2f} ms, p99 {p99:.2f} ms, undelivered {lost}")
+            admin.queue_purge(queue)
 
-        results |= {
-            "naive_rows_per_s": round(naive),
-            "ratio_to_naive": round(ours / naive, 2),
-            "latency_p50_ms": round(p50, 2),
-            "latency_p99_ms": round(p99, 2),
-            "latency_undelivered": lost,
-            "outbox_send_us": round(outbox_us, 1),
-            "confirmed_send_us": round(direct_us, 1),
-            "send_speedup_vs_confirmed_send": round(direct_us / outbox_us, 2),
-            "batch_size": args.batch_size,
-            "rows": args.rows,
-            "rounds": args.rounds,
-        }
+            log(f"6. send() cost, {args.sends} sends")
+            outbox_us, direct_us = send_costs(broker, queue, args.sends)
+            log(f"   outbox send in a transaction {outbox_us:.0f} us, Dramatiq confirmed send {direct_us:.0f} us")
+
+            results |= {
+                "naive_rows_per_s": round(naive),
+                "ratio_to_naive": round(ours / naive, 2),
+                "latency_p50_ms": round(p50, 2),
+                "latency_p99_ms": round(p99, 2),
+                "latency_undelivered": lost,
+                "outbox_send_us": round(outbox_us, 1),
+                "confirmed_send_us": round(direct_us, 1),
+                "send_speedup_vs_confirmed_send": round(direct_us / outbox_us, 2),
+                "batch_size": args.batch_size,
+                "rows": args.rows,
+                "rounds": args.rounds,
+            }
     finally:
         for made in brokers:
             made.close()

@@ -34,6 +34,7 @@ from ..errors import PayloadError, SchemaNotReady
 from ..joining import join_until_empty
 from ..sending import DEFAULT_PAYLOAD_LIMIT_BYTES, Row, RowSending, TrackProcessing, Unbound
 from .delivery_limit import LimitedConsumer
+from .nodes import SpreadsOverNodes
 from .queues import DeclaresQueues, QueueSettings, QueueType
 
 __all__ = ["OutboxBroker"]
@@ -41,7 +42,7 @@ __all__ = ["OutboxBroker"]
 logger = logging.getLogger("dramatiq_reliable.outbox")
 
 
-class OutboxBroker(DeclaresQueues, RowSending, RabbitmqBroker):
+class OutboxBroker(SpreadsOverNodes, DeclaresQueues, RowSending, RabbitmqBroker):
     """A RabbitMQ broker whose ``enqueue`` writes to a Postgres outbox instead of publishing.
 
     Where a message goes when it is sent:
@@ -69,7 +70,8 @@ class OutboxBroker(DeclaresQueues, RowSending, RabbitmqBroker):
     warning (payloads should carry IDs, not objects) and over ``payload_limit_bytes`` refused.
 
     Parameters:
-      url: RabbitMQ URL, as for ``RabbitmqBroker``.
+      url: RabbitMQ URL, as for ``RabbitmqBroker``; several nodes of a cluster as a list or
+        ``;``-separated: each connection starts at a random one and fails over to the others.
       database: where the outbox lives: a Postgres URL (the broker then creates its own pool),
         an existing ``psycopg_pool.ConnectionPool`` (the app's, shared and never closed by the
         broker) or a :class:`~dramatiq_reliable.Database`.

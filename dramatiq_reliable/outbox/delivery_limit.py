@@ -24,14 +24,12 @@ message the worker held, so keep ``delivery_limit`` well above 1 (the default is
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 from dramatiq.brokers.rabbitmq import _RabbitmqConsumer, _RabbitmqMessage
 from dramatiq.errors import DecodeError
 from dramatiq.message import Message
-from dramatiq.worker import ConsumerThread
 
 from ..errors import DeliveryLimitReached
 
@@ -46,7 +44,8 @@ def delivery_count(properties: Any) -> int | None:
     """The ``x-delivery-count`` of a delivery's pika properties: earlier deliveries never acked, or ``None``."""
     headers = getattr(properties, "headers", None)
     count = headers.get("x-delivery-count") if isinstance(headers, dict) else None
-    return count if isinstance(count, int) and not isinstance(count, bool) else None
+    # pika decodes it as its own int subclass (shown 3L): keep a plain int for logs and events.
+    return int(count) if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 def over_limit(properties: Any, limit: int | None) -> int | None:
@@ -90,14 +89,12 @@ def _retire(consumer: Any, method: Any, body: bytes, count: int, limit: int, que
     proxy.stuff_exception(error)
     proxy.fail()
     logger.error("%s", error)
-    thread = threading.current_thread()
-    if isinstance(thread, ConsumerThread) and thread.consumer is consumer:
-        # The worker's own path: before_nack (DeadLetters stores it), the nack, after_nack.
-        thread.post_process_message(proxy)
-    else:
-        consumer.broker.emit_before("nack", proxy)
-        consumer.nack(proxy)
-        consumer.broker.emit_after("nack", proxy)
+    # The worker's nack path (before_nack: DeadLetters stores it; the nack; after_nack), without
+    # ConsumerThread.post_process_message's retry loop: on this thread a connection error must
+    # reach the worker, which restarts the consumer; the redelivery is screened again.
+    consumer.broker.emit_before("nack", proxy)
+    consumer.nack(proxy)
+    consumer.broker.emit_after("nack", proxy)
 
 
 class LimitedConsumer(_RabbitmqConsumer):

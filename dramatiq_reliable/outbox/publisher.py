@@ -43,6 +43,7 @@ from dramatiq.errors import BrokerConnectionError
 from .._checks import check_int, check_ms
 from .._util import rabbitmq_error, rabbitmq_reason
 from ..errors import BrokerUnavailable, ReliableError
+from .nodes import SpreadsOverNodes
 from .queues import DeclaresQueues, QueueSettings
 
 __all__ = []
@@ -106,7 +107,7 @@ def bounded(parameters: Any, *, blocked_timeout_s: float) -> Any:
     return parameters
 
 
-class _Declarer(DeclaresQueues, RabbitmqBroker):
+class _Declarer(SpreadsOverNodes, DeclaresQueues, RabbitmqBroker):
     """A middleware-free broker that only declares queues, as the workers do."""
 
     def __init__(self, queues: QueueSettings) -> None:

@@ -124,3 +124,57 @@ def test_a_queue_declared_with_the_other_type_raises_queue_mismatch_naming_both_
     assert "QueueMismatch" in error and "as a classic queue" in error
     # The broker's channel is usable again after RabbitMQ closed it.
     assert quorum_broker.channel.is_open
+
+
+def test_moving_a_classic_queue_to_quorum_with_messages_in_flight_loses_none(
+    rabbitmq_url, database_url, db_schema, queue_name, rabbit
+):
+    """The procedure of docs/production-topology.md, step by step, while sends keep coming."""
+    ran: list[int] = []
+
+    def job(n: int) -> None:
+        ran.append(n)
+
+    old = OutboxBroker(url=rabbitmq_url, database=database_url, schema=db_schema)
+    new = OutboxBroker(url=rabbitmq_url, database=database_url, schema=db_schema, queue_type="quorum")
+    for broker in (old, new):
+        dramatiq.actor(job, actor_name=f"{queue_name}_job", queue_name=queue_name, broker=broker)
+    try:
+        # Before: a classic deployment with a backlog in RabbitMQ.
+        with old.transaction():
+            for n in range(40):
+                old.actors[f"{queue_name}_job"].send(n)
+        assert drain_outbox(old) == 40
+        old_worker = dramatiq.Worker(old, worker_timeout=100, worker_threads=1)
+        old_worker.start()
+        try:
+            # 1. The relays are stopped; the new code's sends wait in the outbox, not lost, not published.
+            with new.transaction():
+                for n in range(40, 80):
+                    new.actors[f"{queue_name}_job"].send(n)
+            # 2. The old workers drain the classic queue (and its .DQ: the longest delay).
+            wait_for(
+                lambda: len(ran) == 40 and rabbit.count(queue_name) == 0 and rabbit.count(dq_name(queue_name)) == 0,
+                timeout_ms=30_000,
+                message="the old workers drain the classic queue",
+            )
+        finally:
+            old_worker.stop()
+        # 3. Delete the drained queues (RabbitMQ refuses if one is not empty); .XQ was imported first.
+        channel = rabbit.channel
+        channel.queue_delete(queue_name, if_empty=True)
+        channel.queue_delete(dq_name(queue_name), if_empty=True)
+        channel.queue_delete(xq_name(queue_name))
+        # 4. New relays and workers declare the quorum queue and carry on.
+        assert drain_outbox(new) == 40
+        assert _is_quorum(rabbitmq_url, queue_name)
+        new_worker = dramatiq.Worker(new, worker_timeout=100, worker_threads=2)
+        new_worker.start()
+        try:
+            wait_for(lambda: len(ran) == 80, timeout_ms=30_000, message="the new workers run the waiting sends")
+        finally:
+            new_worker.stop()
+    finally:
+        old.close()
+        new.close()
+    assert sorted(ran) == list(range(80))

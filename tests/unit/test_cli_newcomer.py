@@ -37,7 +37,14 @@ def test_relay_and_migrate_help_have_a_description(command):
 
 
 @pytest.mark.parametrize(
-    ("option", "default"), [("--batch-size", "500"), ("--on-published", "mark"), ("--max-priority", "none")]
+    ("option", "default"),
+    [
+        ("--batch-size", "500"),
+        ("--on-published", "mark"),
+        ("--max-priority", "none"),
+        ("--queue-type", "classic"),
+        ("--delivery-limit", "20"),
+    ],
 )
 def test_relay_options_have_help_and_their_default(option, default):
     text = " ".join(run(["relay", "--help"]).out.split())

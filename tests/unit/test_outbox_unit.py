@@ -169,7 +169,7 @@ def test_worker_relay_options_are_checked_where_they_are_written():
     with pytest.raises(TypeError, match="unexpected keyword argument 'batchsize'"):
         WorkerRelay(batchsize=10)  # type: ignore[call-arg]
     # Where the relay publishes and reads comes from the broker, never from the middleware.
-    for taken in ("database", "schema", "rabbitmq_url", "max_priority"):
+    for taken in ("database", "schema", "rabbitmq_url", "max_priority", "queue_type", "delivery_limit"):
         with pytest.raises(TypeError, match=f"unexpected keyword argument '{taken}'"):
             WorkerRelay(**{taken: "x"})
     assert WorkerRelay(on_published="delete", max_attempts=None).options == RelayOptions(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import pytest
 
@@ -99,3 +100,80 @@ def test_over_limit_reads_the_quorum_delivery_count():
     assert over_limit(props(None), 3) is None  # classic queues send no count
     assert over_limit(props({"x-delivery-count": 9}), None) is None
     assert over_limit(props({"x-delivery-count": True}), 1) is None
+
+
+def test_several_urls_spread_connections_over_the_nodes_in_rotation():
+    broker = OutboxBroker(url="amqp://a:5672;amqp://b:5672;amqp://c:5672", database="postgresql://nowhere/x")
+    firsts = set()
+    for _ in range(60):
+        hosts = [p.host for p in broker.parameters]
+        assert hosts in (["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"])  # the rest stay in order
+        firsts.add(hosts[0])
+    assert firsts == {"a", "b", "c"}
+    single = OutboxBroker(url="amqp://a:5672", database="postgresql://nowhere/x")
+    assert single.parameters.host == "a"
+
+
+class _Consumer:
+    """What screen() needs of a consumer: its broker's hooks, known tags, nack and _nack."""
+
+    def __init__(self) -> None:
+        self.known_tags: set[int] = set()
+        self.hooks: list[tuple[str, str]] = []
+        self.nacked: list[Any] = []
+        self.raw_nacked: list[int] = []
+        self.broker = types.SimpleNamespace(
+            emit_before=lambda name, message: self.hooks.append(("before", name)),
+            emit_after=lambda name, message: self.hooks.append(("after", name)),
+        )
+
+    def nack(self, message: Any) -> None:
+        self.nacked.append(message)
+
+    def _nack(self, tag: int) -> None:
+        self.raw_nacked.append(tag)
+
+
+def test_screen_fails_and_nacks_a_delivery_at_the_limit_through_the_nack_hooks_and_passes_the_rest():
+    from dramatiq import Message
+
+    from dramatiq_reliable import DeliveryLimitReached
+    from dramatiq_reliable.outbox.delivery_limit import screen
+
+    body = Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={}).encode()
+
+    def delivery(tag: int, count: int | None) -> tuple[Any, Any, bytes]:
+        headers = {"x-delivery-count": count} if count is not None else None
+        return types.SimpleNamespace(delivery_tag=tag, redelivered=True), types.SimpleNamespace(headers=headers), body
+
+    consumer = _Consumer()
+    stream = [delivery(1, 0), delivery(2, 3), (None, None, None), delivery(3, None), delivery(4, 2)]
+    out = list(screen(consumer, iter(stream), 3, "q"))
+    assert [d[0].delivery_tag if d[0] else None for d in out] == [1, None, None, 3, 4]
+    (nacked,) = consumer.nacked
+    assert nacked.failed and isinstance(nacked._exception, DeliveryLimitReached)
+    assert nacked._exception.deliveries == 3 and "delivery_limit=3" in str(nacked._exception)
+    assert consumer.hooks == [("before", "nack"), ("after", "nack")]
+    assert consumer.known_tags == {2}
+    # A body that is not a message goes to .XQ as Dramatiq does with it.
+    bad = _Consumer()
+    list(
+        screen(bad, iter([(types.SimpleNamespace(delivery_tag=7, redelivered=True), delivery(7, 5)[1], b"{")]), 3, "q")
+    )
+    assert (bad.raw_nacked, bad.nacked) == ([7], [])
+
+
+def test_a_relay_from_the_broker_declares_as_the_broker_does():
+    from dramatiq_reliable import Relay
+
+    broker = OutboxBroker(
+        url="amqp://a:5672",
+        database="postgresql://nowhere/x",
+        queue_type="quorum",
+        queue_types={"old": "classic"},
+        delivery_limit=7,
+    )
+    relay = Relay.from_broker(broker)
+    assert relay.publisher._declarer.queue_settings == broker.queue_settings
+    handmade = Relay(rabbitmq_url="amqp://a:5672", database="postgresql://nowhere/x", queue_type="quorum")
+    assert handmade.publisher._declarer.queue_settings.arguments("q")["x-queue-type"] == "quorum"
