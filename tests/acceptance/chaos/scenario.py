@@ -28,7 +28,7 @@ variable                 meaning                                                
 ``CHAOS_KILLS``          as above                                                      ``max(1, seconds / 40)``
 ``CHAOS_CUTS``           cuts of Postgres only (RabbitMQ's outages are the nodes')     0
 ``CHAOS_QUEUE_TYPE``     ``quorum`` or ``classic`` (today's default, to compare)       quorum
-``CHAOS_SPREAD``         ``1``: process i starts at node i; ``0``: all at node 1      1
+``CHAOS_SPREAD``         ``1``: process i's URLs start at node i; ``0``: at node 1   1
 ``CHAOS_NODE_DOWN_MS``   how long each node stays down                                5000
 ``CHAOS_NODE_CYCLES``    how many times the home node is stopped, then SIGKILLed      ``max(1, seconds / 60)``
 =======================  ===========================================================  =========
