@@ -15,7 +15,7 @@ variable                 meaning                                                
 ``CHAOS_WORK_MS``        the actor's work between its write and its COMMIT            150
 =======================  ===========================================================  =========
 
-On a 3-node cluster (``Settings.from_env(cluster=True)``, the test ``test_chaos_on_a_cluster``) the
+On a 3-node cluster (``Settings.from_env(cluster=True)``, ``test_chaos_on_a_cluster_loses_nothing``) the
 RabbitMQ outages are the nodes' own (``chaos/nodes.py``): the node holding the queue is stopped and
 started, later the node holding it then is SIGKILLed and started, and every process takes every
 node's URL.  Other defaults there, and knobs of their own:
