@@ -44,6 +44,15 @@ processes are stopped and, past a timeout, killed.  The last line printed is one
 ``ratio_to_plain`` (enqueue-then-drain, ours / plain), ``ratio_to_best_peer`` (ours / the best
 of pgqueuer, dramatiq_postgres and procrastinate), ``drain_ratio_to_plain``, ``latency_p99_ms``
 and ``latency_p50_ms`` (ours), and every system's raw figures under ``systems``.
+
+The cluster case (``--cluster``) measures ``ours`` alone, the same three phases, on RabbitMQ
+nodes of its own started from the machine's install by ``tests/rabbitmq_nodes.py`` (run as root,
+as the tests are): a 3-node cluster with quorum queues (the worker and its relay take every
+node's URL) against one such node with Dramatiq's classic queue, today's setup, interleaved over
+``--rounds``.  Its JSON line: ``end_to_end_cluster_ratio`` (enqueue-then-drain, cluster / one
+node) and ``drain_cluster_ratio``, each the median of the rounds' paired ratios, and both setups'
+median figures under ``setups``.  Starting the nodes
+takes about 30 s; they are killed and removed at the end.
 """
 
 from __future__ import annotations
@@ -74,7 +83,10 @@ from dramatiq.common import dq_name, xq_name
 from psycopg import sql
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+#: One URL, or several separated by ``;`` (a cluster's nodes); the cluster case sets it for its children.
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+#: ``ours``'s queue type: ``classic`` (Dramatiq's declare) or ``quorum``; set by the cluster case.
+QUEUE_TYPE = os.environ.get("E2E_QUEUE_TYPE", "classic")
 PREFIX = "perfe2e_"
 THREADS = 8
 READY = "E2E-READY"
@@ -94,6 +106,10 @@ def effect_sql(schema: str) -> sql.Composed:
 
 def order_sql(schema: str) -> sql.Composed:
     return sql.SQL("INSERT INTO {} (phase, n) VALUES (%s, %s)").format(sql.Identifier(schema, "orders"))
+
+
+def rabbitmq_parameters() -> list[pika.URLParameters]:
+    return [pika.URLParameters(url) for url in RABBITMQ_URL.split(";")]
 
 
 def search_path(schema: str) -> str:
@@ -161,6 +177,7 @@ def dramatiq_broker(system: str, schema: str, *, role: str, relay: str) -> tuple
             schema=schema,
             pool_max_size=THREADS + 4 if worker else 1,
             middleware=_full_middleware(relay=relay == "worker"),
+            **({"queue_type": QUEUE_TYPE} if QUEUE_TYPE != "classic" else {}),
         )
         fn: Callable[[int, int], None] = _job_connection_actor(schema)
     elif system == "postgres_broker":
@@ -374,7 +391,18 @@ def prepare(system: str, schema: str) -> None:
         from dramatiq_reliable import migrate
 
         migrate(DATABASE_URL, schema=schema)
-    if system in ("plain", "ours"):
+    if system == "ours" and QUEUE_TYPE != "classic":
+        # Quorum queues are declared with OutboxBroker's own arguments, as its worker does.
+        from dramatiq_reliable import OutboxBroker
+
+        outbox_declarer = OutboxBroker(
+            url=RABBITMQ_URL, database=DATABASE_URL, schema=schema, pool_max_size=1, queue_type=QUEUE_TYPE
+        )
+        try:
+            outbox_declarer.declare_queue(schema, ensure=True)
+        finally:
+            outbox_declarer.close()
+    elif system in ("plain", "ours"):
         declarer = RabbitmqBroker(url=RABBITMQ_URL, middleware=[])
         try:
             declarer.declare_queue(schema, ensure=True)
@@ -393,7 +421,7 @@ def cleanup(system: str, schema: str) -> None:
         log(f"could not drop schema {schema!r}: {error}; drop it by hand: DROP SCHEMA {schema} CASCADE")
     if system in ("plain", "ours"):
         try:
-            connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+            connection = pika.BlockingConnection(rabbitmq_parameters())
             try:
                 channel = connection.channel()
                 for queue in (schema, dq_name(schema), xq_name(schema)):
@@ -430,7 +458,13 @@ def child_main(role: str, system: str, schema: str, relay: str) -> None:
     if role == "relay":
         from dramatiq_reliable import OutboxBroker, Relay
 
-        relay_broker = OutboxBroker(url=RABBITMQ_URL, database=DATABASE_URL, schema=schema, pool_max_size=2)
+        relay_broker = OutboxBroker(
+            url=RABBITMQ_URL,
+            database=DATABASE_URL,
+            schema=schema,
+            pool_max_size=2,
+            **({"queue_type": QUEUE_TYPE} if QUEUE_TYPE != "classic" else {}),
+        )
         relay_loop = Relay.from_broker(relay_broker)
         print(READY, file=ready, flush=True)
         _wait_line()
@@ -770,6 +804,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--relay", choices=("worker", "process"), default="worker", help="WorkerRelay in the worker, or a Relay process"
     )
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="only ours: a 3-node cluster with quorum queues vs one node (nodes of its own; needs root)",
+    )
     args = parser.parse_args(argv)
     chosen = [name.strip() for name in args.systems.split(",") if name.strip()]
     unknown = [name for name in chosen if name not in SYSTEMS]
@@ -802,6 +841,9 @@ def main(argv: list[str] | None = None) -> None:
         child_main(*argv[1:5])
         return
     args = parse_args(argv)
+    if args.cluster:
+        cluster_main(args)
+        return
     systems = [name for name in args.systems if installed(name)]
     run_id = uuid.uuid4().hex[:6]
     load = [round(os.getloadavg()[0], 2)]
@@ -819,6 +861,72 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("interrupted; the worker processes, schemas and queues of this run are gone") from None
     load.append(round(os.getloadavg()[0], 2))
     print(json.dumps(summary({name: medians(r) for name, r in results.items() if r}, args, load)), flush=True)
+
+
+# -- the cluster case ---------------------------------------------------------------------------------
+
+
+def _use_rabbitmq(urls: list[str], queue_type: str) -> None:
+    """Point this process and the children it starts from now on at ``urls`` with ``queue_type``."""
+    global RABBITMQ_URL, QUEUE_TYPE
+    RABBITMQ_URL = os.environ["RABBITMQ_URL"] = ";".join(urls)
+    QUEUE_TYPE = os.environ["E2E_QUEUE_TYPE"] = queue_type
+
+
+def cluster_main(args: argparse.Namespace) -> None:
+    """``ours`` on one node (classic queue) and on a 3-node cluster (quorum queues), interleaved."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import rabbitmq_nodes
+
+    if (reason := rabbitmq_nodes.available()) is not None:
+        raise SystemExit(f"the cluster case starts RabbitMQ nodes of its own and cannot here: {reason}")
+    run_id = uuid.uuid4().hex[:6]
+    load = [round(os.getloadavg()[0], 2)]
+    setups: dict[str, list[dict[str, float]]] = {"one_node": [], "cluster": []}
+    started = time.monotonic()
+    try:
+        with (
+            _interrupts_as_exit(),
+            rabbitmq_nodes.single_node() as node,
+            rabbitmq_nodes.cluster(3) as cluster,
+        ):
+            log(f"nodes up in {time.monotonic() - started:.0f} s: one node {node.name}, cluster {cluster.urls}")
+            plan = {"one_node": ([node.url], "classic"), "cluster": (cluster.urls, "quorum")}
+            for round_no in range(args.rounds):
+                order = ["one_node", "cluster"] if round_no % 2 == 0 else ["cluster", "one_node"]
+                for setup in order:
+                    _use_rabbitmq(*plan[setup])
+                    figures = run_system("ours", f"{run_id}{round_no}{setup[0]}", args)
+                    log(f"round {round_no + 1} {setup}: {figures}")
+                    setups[setup].append(figures)
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted; the worker processes, schemas, queues and nodes of this run are gone") from None
+    load.append(round(os.getloadavg()[0], 2))
+    figures = {name: medians(rounds) for name, rounds in setups.items()}
+
+    def paired(key: str) -> float:
+        # Each round's two setups ran a minute apart: their ratio drifts less with the machine's load.
+        pairs = zip(setups["cluster"], setups["one_node"], strict=True)
+        return round(statistics.median(c[key] / o[key] for c, o in pairs), 2)
+
+    print(
+        json.dumps(
+            {
+                "end_to_end_cluster_ratio": paired("enqueue_then_drain_per_s"),
+                "drain_cluster_ratio": paired("drain_per_s"),
+                "one_node": "a node started by tests/rabbitmq_nodes.py, classic queue (Dramatiq's default)",
+                "cluster": "3 nodes started by tests/rabbitmq_nodes.py, quorum queues, every node's URL",
+                "jobs": args.jobs,
+                "rounds": args.rounds,
+                "relay": args.relay,
+                "producers": args.producers,
+                "threads": THREADS,
+                "load_average_1m": load,
+                "setups": figures,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -6,16 +6,24 @@ transactions (some rolled back on purpose); an idempotent actor whose effect is 
 transient failures and poison orders.  The seed is printed first (``CHAOS_SEED=...``) and the
 ledger last, as one JSON line.  A soak is the same test with other sizes, e.g.
 ``CHAOS_COUNT=10000 pytest -m chaos -s`` (see ``chaos/scenario.py`` for every knob).
+
+``test_chaos_on_a_cluster_loses_nothing`` is the same run on a 3-node RabbitMQ cluster of the
+tests' own with quorum queues: the node holding the queue is stopped and started, later the node
+holding it then is SIGKILLed and started, and a worker and a relay are SIGKILLed; the ledger line
+also gives the longest stall (no job completed) around each node outage.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
 import pytest
 from chaos.ledger import DeadLetterRow, Order, tally
 from chaos.scenario import Run, Settings, execute
+from dramatiq.common import dq_name, xq_name
+from support import Rabbit
 
 pytestmark = [pytest.mark.integration, pytest.mark.acceptance, pytest.mark.chaos, pytest.mark.timeout(900)]
 
@@ -34,6 +42,37 @@ def test_chaos_loses_doubles_and_strands_nothing(
     say(ledger.line())
     assert ledger.counts["committed"] > 0.5 * settings.count, "most orders must commit, or the run proved nothing"
     assert ledger.run["kills"]["worker"] > 0 and ledger.run["cuts"]["postgres"] > 0, "the chaos must have happened"
+    assert ledger.ok, (
+        f"CHAOS_SEED={settings.seed}: lost={ledger.counts['lost']} doubled={ledger.counts['doubled']} "
+        f"phantom={ledger.counts['phantom']} stuck={ledger.counts['stuck']} "
+        f"spurious_dead_letters={ledger.counts['spurious_dead_letters']}\n{ledger.line()}\n{fleet.logs()}"
+    )
+
+
+def test_chaos_on_a_cluster_loses_nothing(database_url, db_schema, queue_name, db, healed_cluster, tmp_path):
+    settings = Settings.from_env(cluster=True)
+
+    def say(line: str) -> None:
+        print(line)
+        print(line, file=sys.stderr)
+
+    urls = ";".join(healed_cluster.urls)
+    reader = Rabbit(healed_cluster.urls[0])
+    try:
+        run = Run(settings, database_url, urls, db_schema, queue_name, tmp_path, say, cluster=healed_cluster)
+        ledger, fleet = execute(run, db, reader)
+    finally:
+        # The cluster lives for the session: the run's queues go with the test.
+        with contextlib.suppress(Exception):
+            for name in (queue_name, dq_name(queue_name), xq_name(queue_name)):
+                reader.channel.queue_delete(name)
+        with contextlib.suppress(Exception):
+            reader.close()
+    say(ledger.line())
+    assert ledger.counts["committed"] > 0.5 * settings.count, "most orders must commit, or the run proved nothing"
+    outages = ledger.run["cluster"]["nodes"]
+    assert {outage.split()[0] for outage in outages} == {"stop", "kill"}, f"both node outages must happen: {outages}"
+    assert ledger.run["kills"]["worker"] > 0 and ledger.run["kills"]["relay"] > 0, "the kills must have happened"
     assert ledger.ok, (
         f"CHAOS_SEED={settings.seed}: lost={ledger.counts['lost']} doubled={ledger.counts['doubled']} "
         f"phantom={ledger.counts['phantom']} stuck={ledger.counts['stuck']} "

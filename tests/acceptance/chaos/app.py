@@ -1,8 +1,9 @@
 """The Dramatiq app the chaos worker processes run (``dramatiq chaos.app``).
 
 Configured by the environment the harness sets (a test app, not the library, so reading it is
-fine): ``CHAOS_DATABASE_URL`` and ``CHAOS_RABBITMQ_URL`` (both through the harness's proxies),
-``CHAOS_SCHEMA``, ``CHAOS_QUEUE``, ``CHAOS_SEED``, ``CHAOS_FAIL_RATE`` and ``CHAOS_WORK_MS``.
+fine): ``CHAOS_DATABASE_URL`` and ``CHAOS_RABBITMQ_URL`` (through the harness's proxies; on a
+cluster, every node's URL, ``;``-separated), ``CHAOS_SCHEMA``, ``CHAOS_QUEUE``, ``CHAOS_QUEUE_TYPE``,
+``CHAOS_SEED``, ``CHAOS_FAIL_RATE`` and ``CHAOS_WORK_MS``.
 
 The actor's effect is one row in ``chaos_effects`` per run that committed, written on the job's
 connection, so it commits with the idempotency key or not at all.  The table has no unique
@@ -32,16 +33,20 @@ from dramatiq_reliable import (
 from . import ACTOR_NAME
 
 DATABASE_URL = os.environ["CHAOS_DATABASE_URL"]
-RABBITMQ_URL = os.environ["CHAOS_RABBITMQ_URL"]
+#: One URL, or several separated by ``;`` (a cluster's nodes, this worker's first node first).
+RABBITMQ_URLS = os.environ["CHAOS_RABBITMQ_URL"].split(";")
 SCHEMA = os.environ["CHAOS_SCHEMA"]
 QUEUE = os.environ["CHAOS_QUEUE"]
 SEED = int(os.environ.get("CHAOS_SEED", "0"))
 FAIL_RATE = float(os.environ.get("CHAOS_FAIL_RATE", "0.05"))
 WORK_MS = int(os.environ.get("CHAOS_WORK_MS", "20"))
 THREADS = int(os.environ.get("CHAOS_THREADS", "4"))
+QUEUE_TYPE = os.environ.get("CHAOS_QUEUE_TYPE", "classic")
 
 broker = OutboxBroker(
-    url=RABBITMQ_URL,
+    url=RABBITMQ_URLS,
+    # Classic is Dramatiq's own declare; quorum is OutboxBroker's (the relays get --queue-type).
+    **({"queue_type": QUEUE_TYPE} if QUEUE_TYPE != "classic" else {}),
     database=DATABASE_URL,
     schema=SCHEMA,
     pool_max_size=THREADS + 4,

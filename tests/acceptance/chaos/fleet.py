@@ -106,7 +106,7 @@ class Fleet:
         self,
         *,
         database_url: str,
-        rabbitmq_url: str,
+        rabbitmq_urls: list[str],
         schema: str,
         queue: str,
         seed: int,
@@ -116,6 +116,8 @@ class Fleet:
         fail_rate: float,
         work_ms: int,
         log_dir: Path,
+        spread: bool = True,
+        queue_type: str = "classic",
     ) -> None:
         # The workers' sessions are told apart from everybody else's by this name.
         self.application_name = f"chaos-worker-{queue}"
@@ -123,7 +125,7 @@ class Fleet:
         env = {
             **os.environ,
             "CHAOS_DATABASE_URL": f"{database_url}{separator}application_name={self.application_name}",
-            "CHAOS_RABBITMQ_URL": rabbitmq_url,
+            "CHAOS_QUEUE_TYPE": queue_type,
             "CHAOS_SCHEMA": schema,
             "CHAOS_QUEUE": queue,
             "CHAOS_SEED": str(seed),
@@ -155,17 +157,34 @@ class Fleet:
             schema,
             "--database-url",
             database_url,
-            "--rabbitmq-url",
-            rabbitmq_url,
             "--batch-size",
             "100",
             "--poll-interval",
             "500ms",
             "--progress-interval",
             "0",
+            *(["--queue-type", queue_type] if queue_type != "classic" else []),
         ]
-        self.workers = [Member(f"worker-{i}", worker, env, log_dir / f"worker-{i}.log") for i in range(workers)]
-        self.relays = [Member(f"relay-{i}", relay, env, log_dir / f"relay-{i}.log") for i in range(relays)]
+
+        # Every member takes every node's URL; with ``spread`` member i starts at node i (mod the
+        # nodes), so the workers and relays are spread over the cluster, not all on its first node.
+        def urls(index: int) -> str:
+            start = index % len(rabbitmq_urls) if spread else 0
+            return ";".join(rabbitmq_urls[start:] + rabbitmq_urls[:start])
+
+        self.workers = [
+            Member(f"worker-{i}", worker, {**env, "CHAOS_RABBITMQ_URL": urls(i)}, log_dir / f"worker-{i}.log")
+            for i in range(workers)
+        ]
+        self.relays = [
+            Member(
+                f"relay-{i}",
+                [*relay, "--rabbitmq-url", urls(workers + i)],
+                env,
+                log_dir / f"relay-{i}.log",
+            )
+            for i in range(relays)
+        ]
 
     @property
     def members(self) -> list[Member]:

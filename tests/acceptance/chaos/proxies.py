@@ -41,30 +41,35 @@ class Proxies:
     """The two proxies of a run; ``cut`` and ``restore`` take ``"postgres"`` or ``"rabbitmq"``."""
 
     postgres: TcpProxy
-    rabbitmq: TcpProxy
+    rabbitmq: TcpProxy | None
     database_url: str
     rabbitmq_url: str
     down: set[str] = dataclasses.field(default_factory=set)
 
     @classmethod
-    def start(cls, database_url: str, rabbitmq_url: str) -> Proxies:
-        rabbitmq_first = rabbitmq_url.split(";")[0]
+    def start(cls, database_url: str, rabbitmq_url: str, *, rabbitmq: bool = True) -> Proxies:
+        """Proxies in front of both servers; ``rabbitmq=False`` keeps ``rabbitmq_url`` as it is
+        (on a cluster the outages are the nodes' own, and every process takes every node's URL)."""
         postgres = TcpProxy(*_address(database_url)).start()
-        rabbitmq = TcpProxy(*_address(rabbitmq_first)).start()
-        return cls(postgres, rabbitmq, through(database_url, postgres.port), through(rabbitmq_first, rabbitmq.port))
+        if not rabbitmq:
+            return cls(postgres, None, through(database_url, postgres.port), rabbitmq_url)
+        rabbitmq_first = rabbitmq_url.split(";")[0]
+        proxy = TcpProxy(*_address(rabbitmq_first)).start()
+        return cls(postgres, proxy, through(database_url, postgres.port), through(rabbitmq_first, proxy.port))
 
     def cut(self, which: str) -> None:
         """Close the proxy's port and every connection through it (clients see a reset)."""
-        if which not in self.down:
+        if which not in self.down and getattr(self, which) is not None:
             getattr(self, which).stop()
             self.down.add(which)
 
     def restore(self, which: str) -> None:
         """Listen again on the same port: the URLs stay valid."""
-        if which in self.down:
+        if which in self.down and getattr(self, which) is not None:
             getattr(self, which).start()
             self.down.discard(which)
 
     def close(self) -> None:
         self.postgres.stop()
-        self.rabbitmq.stop()
+        if self.rabbitmq is not None:
+            self.rabbitmq.stop()

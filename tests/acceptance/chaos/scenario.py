@@ -15,6 +15,24 @@ variable                 meaning                                                
 ``CHAOS_WORK_MS``        the actor's work between its write and its COMMIT            150
 =======================  ===========================================================  =========
 
+On a 3-node cluster (``Settings.from_env(cluster=True)``, ``test_chaos_on_a_cluster_loses_nothing``) the
+RabbitMQ outages are the nodes' own (``chaos/nodes.py``): the node holding the queue is stopped and
+started, later the node holding it then is SIGKILLed and started, and every process takes every
+node's URL.  Other defaults there, and knobs of their own:
+
+=======================  ===========================================================  =========
+variable                 meaning                                                      cluster
+=======================  ===========================================================  =========
+``CHAOS_COUNT``          as above                                                      300
+``CHAOS_SECONDS``        as above                                                      ``max(40, count / 8)``
+``CHAOS_KILLS``          as above                                                      ``max(1, seconds / 40)``
+``CHAOS_CUTS``           cuts of Postgres only (RabbitMQ's outages are the nodes')     0
+``CHAOS_QUEUE_TYPE``     ``quorum`` or ``classic`` (today's default, to compare)       quorum
+``CHAOS_SPREAD``         ``1``: process i's URLs start at node i; ``0``: at node 1   1
+``CHAOS_NODE_DOWN_MS``   how long each node stays down                                5000
+``CHAOS_NODE_CYCLES``    how many times the home node is stopped, then SIGKILLed      ``max(1, seconds / 60)``
+=======================  ===========================================================  =========
+
 The work time is long on purpose: a Postgres cut then finds several jobs between their write
 and their COMMIT, the window where a commit's outcome becomes unknown.  Every kill, cut and
 restore is written with its time to ``timeline.log`` in the run's log directory.
@@ -31,7 +49,7 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +58,7 @@ import pika
 import psycopg
 from dramatiq.common import dq_name, xq_name
 from psycopg import sql
+from rabbitmq_nodes import RabbitCluster
 from support import Rabbit
 
 from dramatiq_reliable import Database, OutboxBroker
@@ -47,6 +66,7 @@ from dramatiq_reliable import Database, OutboxBroker
 from . import ACTOR_NAME
 from .fleet import Fleet
 from .ledger import DeadLetterRow, Ledger, Order, tally
+from .nodes import DEFAULT_DOWN_MS, NodeChaos, stalls
 from .proxies import Proxies
 
 logger = logging.getLogger("chaos")
@@ -74,23 +94,54 @@ class Settings:
     workers: int = 2
     relays: int = 2
     threads: int = 4
+    #: On a cluster: the nodes' own outages instead of a RabbitMQ proxy (see the module docstring).
+    cluster: bool = False
+    queue_type: str = "classic"
+    spread: bool = True
+    node_down_ms: int = 5000
+    node_cycles: int = 1
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
+    def from_env(cls, environ: Mapping[str, str] | None = None, *, cluster: bool = False) -> Settings:
         env = os.environ if environ is None else environ
         seed = int(env["CHAOS_SEED"]) if env.get("CHAOS_SEED") else secrets.randbelow(2**31)
-        count = int(env.get("CHAOS_COUNT") or 600)
-        seconds = float(env.get("CHAOS_SECONDS") or max(20.0, count / 40))
+        count = int(env.get("CHAOS_COUNT") or (300 if cluster else 600))
+        seconds = float(env.get("CHAOS_SECONDS") or (max(40.0, count / 8) if cluster else max(20.0, count / 40)))
+        kills = env.get("CHAOS_KILLS") or (max(1, int(seconds / 40)) if cluster else max(3, int(seconds / 10)))
+        cuts = env.get("CHAOS_CUTS") or (0 if cluster else max(2, int(seconds / 15)))
+        queue_type = env.get("CHAOS_QUEUE_TYPE") or ("quorum" if cluster else "classic")
+        if queue_type not in ("classic", "quorum"):
+            raise ValueError(f"CHAOS_QUEUE_TYPE is {queue_type!r}; set it to 'quorum' or 'classic'")
         return cls(
             seed=seed,
             count=count,
             seconds=seconds,
-            kills=int(env.get("CHAOS_KILLS") or max(3, int(seconds / 10))),
-            cuts=int(env.get("CHAOS_CUTS") or max(2, int(seconds / 15))),
+            kills=int(kills),
+            cuts=int(cuts),
             cut_ms=int(env.get("CHAOS_CUT_MS") or 4000),
             drain_seconds=float(env.get("CHAOS_DRAIN_SECONDS") or 60),
             work_ms=int(env.get("CHAOS_WORK_MS") or 150),
+            cluster=cluster,
+            queue_type=queue_type,
+            spread=(env.get("CHAOS_SPREAD") or "1") != "0",
+            node_down_ms=int(env.get("CHAOS_NODE_DOWN_MS") or DEFAULT_DOWN_MS),
+            node_cycles=int(env.get("CHAOS_NODE_CYCLES") or max(1, int(seconds / 60))),
         )
+
+    def node_plan(self) -> list[tuple[float, str]]:
+        """When the queue's home node is stopped and, later, SIGKILLed (seconds into the window).
+
+        Each cycle has its slot of the window: a stop at 10% of it, a kill at 50% (or once the
+        stopped node is back, whichever is later).
+        """
+        if not self.cluster:
+            return []
+        slot = self.seconds / self.node_cycles
+        return [
+            (i * slot + share * slot, action)
+            for i in range(self.node_cycles)
+            for share, action in ((0.1, "stop"), (0.5, "kill"))
+        ]
 
 
 # -- the schedule ----------------------------------------------------------------------------
@@ -127,7 +178,8 @@ def schedule(settings: Settings, members: list[str]) -> list[Event]:
             events.append(Event(at, next(seq), "kill", target))
             events.append(Event(at + rng.uniform(0.2, 1.5), next(seq), "start", target))
     slot = 0.9 * window / max(settings.cuts, 1)
-    for server in ("postgres", "rabbitmq"):
+    # On a cluster RabbitMQ's outages are the nodes' own (chaos/nodes.py), not a proxy's.
+    for server in ("postgres",) if settings.cluster else ("postgres", "rabbitmq"):
         for i in range(settings.cuts):
             length = settings.cut_ms / 1000 * rng.uniform(0.6, 1.2)
             start = 0.05 * window + i * slot + rng.uniform(0, max(slot - length - ARM_S, 0.1))
@@ -240,6 +292,10 @@ class Conductor(threading.Thread):
         self._finished.set()
         self._note(now, "chaos over: every server and process back")
 
+    def note(self, what: str) -> None:
+        """A line in the timeline from another thread (the node chaos)."""
+        self._note(time.monotonic() - self.started, what)
+
     def _note(self, now: float, what: str) -> None:
         self.timeline.append(f"{now:7.2f}s {what}")
         logger.info("%.2fs: %s", now, what)
@@ -324,7 +380,8 @@ CREATE TABLE {schema}.chaos_effects (
     order_id int NOT NULL,
     message_id text,
     pid int,
-    created_at timestamptz NOT NULL DEFAULT now()
+    -- the job's write, not its transaction's start: stalls are measured between these
+    created_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE INDEX ON {schema}.chaos_effects (order_id);
 """
@@ -343,6 +400,12 @@ class Run:
     queue: str
     log_dir: Path
     say: Callable[[str], None] = print
+    #: The 3-node cluster the run's processes use instead of ``rabbitmq_url`` (``Settings.cluster``).
+    cluster: RabbitCluster | None = None
+
+    @property
+    def rabbitmq_urls(self) -> list[str]:
+        return self.cluster.urls if self.cluster is not None else [self.rabbitmq_url]
 
 
 def _resolved(conn: psycopg.Connection[Any], schema: str) -> tuple[int, int, int]:
@@ -359,6 +422,13 @@ def _resolved(conn: psycopg.Connection[Any], schema: str) -> tuple[int, int, int
     row = conn.execute(query).fetchone()
     assert row is not None
     return int(row[0]), int(row[1]), int(row[2])
+
+
+def _effect_times(conn: psycopg.Connection[Any], schema: str) -> list[float]:
+    query = sql.SQL("SELECT extract(epoch FROM created_at)::float8 FROM {}.chaos_effects").format(
+        sql.Identifier(schema)
+    )
+    return [float(row[0]) for row in conn.execute(query)]
 
 
 def drain(run: Run, conn: psycopg.Connection[Any], *, stall_s: float = 20.0) -> float:
@@ -452,10 +522,11 @@ def execute(run: Run, conn: psycopg.Connection[Any], rabbit: Rabbit) -> tuple[Le
         f"CHAOS_KILLS={settings.kills} CHAOS_CUTS={settings.cuts} CHAOS_CUT_MS={settings.cut_ms}"
     )
     create_tables(conn, run.schema)
-    proxies = Proxies.start(run.database_url, run.rabbitmq_url)
+    proxies = Proxies.start(run.database_url, ";".join(run.rabbitmq_urls), rabbitmq=run.cluster is None)
+    urls = proxies.rabbitmq_url.split(";")
     fleet = Fleet(
         database_url=proxies.database_url,
-        rabbitmq_url=proxies.rabbitmq_url,
+        rabbitmq_urls=urls,
         schema=run.schema,
         queue=run.queue,
         seed=settings.seed,
@@ -465,13 +536,17 @@ def execute(run: Run, conn: psycopg.Connection[Any], rabbit: Rabbit) -> tuple[Le
         fail_rate=FAIL_RATE,
         work_ms=settings.work_ms,
         log_dir=run.log_dir,
+        spread=settings.spread,
+        queue_type=settings.queue_type,
     )
     producer = OutboxBroker(
-        url=proxies.rabbitmq_url,
+        url=urls,
         database=Database(url=proxies.database_url, max_size=2, timeout_ms=2000),
         schema=run.schema,
+        **({"queue_type": settings.queue_type} if settings.queue_type != "classic" else {}),
     )
     conductor: Conductor | None = None
+    nodes: NodeChaos | None = None
     # The conductor's own connection, straight to Postgres (never cut).
     watch = psycopg.connect(run.database_url, autocommit=True)
     began = time.monotonic()
@@ -479,6 +554,7 @@ def execute(run: Run, conn: psycopg.Connection[Any], rabbit: Rabbit) -> tuple[Le
         fleet.start()
         _wait_for_consumers(rabbit, run.queue, settings.workers)
         started = time.monotonic()
+        wall_started = time.time()
         conductor = Conductor(
             fleet,
             proxies,
@@ -488,11 +564,26 @@ def execute(run: Run, conn: psycopg.Connection[Any], rabbit: Rabbit) -> tuple[Le
             application_name=fleet.application_name,
         )
         conductor.start()
+        if run.cluster is not None:
+            nodes = NodeChaos(
+                run.cluster,
+                run.queue,
+                started=started,
+                plan=settings.node_plan(),
+                down_s=settings.node_down_ms / 1000,
+                note=conductor.note,
+            )
+            nodes.start()
         produced = produce(settings, producer, run.queue, run.schema, started)
         if (rest := started + settings.seconds - time.monotonic()) > 0:
             time.sleep(rest)
+        if nodes is not None:
+            nodes.stop()  # every node is back before the drain is timed
+            if nodes.error is not None:
+                raise AssertionError(f"the node chaos failed: {nodes.error!r}") from nodes.error
         conductor.finish()
         drained_s = drain(run, conn)
+        ended = time.time()
         conductor.stop()
         (run.log_dir / "timeline.log").write_text("\n".join(conductor.timeline) + "\n")
         fleet.stop()
@@ -508,15 +599,38 @@ def execute(run: Run, conn: psycopg.Connection[Any], rabbit: Rabbit) -> tuple[Le
             "drain_s": round(drained_s, 1),
             "duration_s": round(time.monotonic() - began, 1),
         }
+        if nodes is not None:
+            effect_times = _effect_times(conn, run.schema)
+            # Kept beside the timeline, so a stall can be looked at again after the run.
+            (run.log_dir / "effect_times.txt").write_text(
+                "\n".join(f"{t - wall_started:.3f}" for t in sorted(effect_times)) + "\n"
+            )
+            info["cluster"] = {
+                "queue_type": settings.queue_type,
+                "spread": settings.spread,
+                "nodes": [
+                    f"{d.action} {d.node} at {d.down_at - wall_started:.1f}s, back at "
+                    + (f"{d.back_at - wall_started:.1f}s" if d.back_at is not None else "never")
+                    for d in nodes.disruptions
+                ],
+                "node_down_s": settings.node_down_ms / 1000,
+                # The longest time without a completed job, before the first disruption and around each.
+                "stall_s": stalls(effect_times, nodes.disruptions, ended),
+            }
         if conductor.error is not None:
             raise AssertionError(f"the chaos conductor failed: {conductor.error!r}") from conductor.error
         # The caller's connection sat idle through the run, past RabbitMQ's heartbeat: renew it.
         rabbit.close()
-        rabbit.connection = pika.BlockingConnection(pika.URLParameters(rabbit.url))
+        rabbit.connection = pika.BlockingConnection(
+            [pika.URLParameters(url) for url in run.rabbitmq_urls] if run.cluster else pika.URLParameters(rabbit.url)
+        )
         rabbit.channel = rabbit.connection.channel()
         ledger = collect(run, conn, rabbit, info)
     finally:
         # Each step on its own: a failure in one must never leave processes behind.
+        if nodes is not None:
+            nodes.halt()
+            nodes.stop(timeout_s=60)
         for step in (conductor.stop if conductor else None, fleet.close, proxies.close, producer.close, watch.close):
             if step is not None:
                 try:
