@@ -62,14 +62,10 @@ class RabbitNode:
 
     def __init__(self, root: Path, name: str, *, config: str = "", advanced: str = "") -> None:
         self.name = f"{name}@localhost"
-        self.amqp_port = free_port()
-        self.dist_port = free_port()
-        self.url = f"amqp://guest:guest@127.0.0.1:{self.amqp_port}/%2F"
         self.root = root / name
         self.root.mkdir(parents=True)
-        (self.root / "rabbitmq.conf").write_text(
-            f"listeners.tcp.local = 127.0.0.1:{self.amqp_port}\nloopback_users = none\n{config}"
-        )
+        self._config = config
+        self._pick_ports()
         (self.root / "advanced.config").write_text(f"[{{rabbit, [{advanced}]}}].\n")
         (self.root / "enabled_plugins").write_text("[].\n")
         (self.root / "rabbitmq-env.conf").write_text("")  # not the machine's (it names rabbit@localhost)
@@ -77,6 +73,16 @@ class RabbitNode:
         for path in self.root.iterdir():
             shutil.chown(path, "rabbitmq", "rabbitmq")
         self._process: subprocess.Popen[bytes] | None = None
+        self._ever_started = False
+
+    def _pick_ports(self) -> None:
+        """Free ports for AMQP and Erlang distribution, written into the node's config."""
+        self.amqp_port = free_port()
+        self.dist_port = free_port()
+        self.url = f"amqp://guest:guest@127.0.0.1:{self.amqp_port}/%2F"
+        (self.root / "rabbitmq.conf").write_text(
+            f"listeners.tcp.local = 127.0.0.1:{self.amqp_port}\nloopback_users = none\n{self._config}"
+        )
 
     @property
     def env(self) -> dict[str, str]:
@@ -120,12 +126,24 @@ class RabbitNode:
         log.close()
 
     def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Poll until the node accepts AMQP connections; raise with its log tail otherwise."""
+        """Poll until the node accepts AMQP connections; raise with its log tail otherwise.
+
+        A free port can be taken by another process between :func:`free_port` and the node's
+        bind (``eaddrinuse``): on its first start the node then picks new ports and starts again.
+        """
         deadline = time.monotonic() + timeout_s
+        retries = 3
         while time.monotonic() < deadline:
             if self._process is not None and self._process.poll() is not None:
+                if not self._ever_started and retries and "eaddrinuse" in self.log_tail(200):
+                    retries -= 1
+                    self._process = None
+                    self._pick_ports()
+                    self.spawn()
+                    continue
                 raise RuntimeError(f"{self.name} exited with {self._process.returncode}:\n{self.log_tail()}")
             if self.accepts_connections():
+                self._ever_started = True
                 return
             time.sleep(0.25)
         raise RuntimeError(f"{self.name} did not start within {timeout_s:.0f} s:\n{self.log_tail()}")
