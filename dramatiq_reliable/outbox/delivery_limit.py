@@ -37,7 +37,7 @@ __all__: list[str] = []
 
 logger = logging.getLogger("dramatiq_reliable.outbox.delivery_limit")
 
-Delivery = tuple[Any, Any, Any]  # (pika method, pika properties, body) as BlockingChannel.consume yields
+RawDelivery = tuple[Any, Any, Any]  # (pika method, pika properties, body) as BlockingChannel.consume yields
 
 
 def over_limit(properties: Any, limit: int | None) -> int | None:
@@ -46,7 +46,9 @@ def over_limit(properties: Any, limit: int | None) -> int | None:
     return count if limit is not None and count is not None and count >= limit else None
 
 
-def screen(consumer: ChannelBoundConsumer, deliveries: Iterator[Delivery], limit: int | None, queue_name: str) -> Iterator[Delivery]:
+def screen(
+    consumer: ChannelBoundConsumer, deliveries: Iterator[RawDelivery], limit: int | None, queue_name: str
+) -> Iterator[RawDelivery]:
     """``deliveries`` with those over ``limit`` dead-lettered by ``consumer`` and replaced by idle ticks.
 
     Runs on the consumer thread, which owns ``consumer``'s channel.
