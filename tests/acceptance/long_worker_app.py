@@ -8,12 +8,12 @@ The worker's own relay (``WorkerRelay``) publishes the outbox and reaps leases t
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import dramatiq
 import psycopg
 from psycopg import sql
+from worker_apps import run_until_stdin_closes
 
 from dramatiq_reliable.outbox import LongJobs, OutboxBroker, WorkerRelay
 
@@ -38,11 +38,4 @@ def job() -> None:
 
 
 if __name__ == "__main__":
-    worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=100)
-    worker.start()
-    print("started", flush=True)
-    try:
-        sys.stdin.read()  # until the test closes stdin (or kills us)
-    finally:
-        worker.stop()
-        broker.close()
+    run_until_stdin_closes(broker)

@@ -7,12 +7,12 @@ Every run of ``job`` records itself (with this process's pid) before doing its w
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import dramatiq
 import psycopg
 from psycopg import sql
+from worker_apps import run_until_stdin_closes
 
 from dramatiq_reliable import PostgresBroker
 
@@ -32,11 +32,4 @@ def job(n: int) -> None:
 
 
 if __name__ == "__main__":
-    worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=100)
-    worker.start()
-    print("started", flush=True)
-    try:
-        sys.stdin.read()  # until the test closes stdin (or kills us)
-    finally:
-        worker.stop()
-        broker.close()
+    run_until_stdin_closes(broker)

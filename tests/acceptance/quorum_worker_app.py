@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 
 import dramatiq
 import psycopg
 from psycopg import sql
+from worker_apps import run_until_stdin_closes
 
 from dramatiq_reliable import DeadLetters, OutboxBroker
 
@@ -49,13 +49,4 @@ def fine(n: int) -> None:
 
 
 if __name__ == "__main__":
-    # One thread, one message at a time: a kill returns only the message that caused it.
-    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
-    worker.queue_prefetch = 1
-    worker.start()
-    print("started", flush=True)
-    try:
-        sys.stdin.read()  # until the test closes stdin (or the job kills us)
-    finally:
-        worker.stop()
-        broker.close()
+    run_until_stdin_closes(broker, threads=1, prefetch=1)  # one message at a time: a kill returns only it

@@ -7,12 +7,12 @@ Every run of the singleton ``job`` records its start and its end (with this proc
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import dramatiq
 import psycopg
 from psycopg import sql
+from worker_apps import run_until_stdin_closes
 
 from dramatiq_reliable import PostgresBroker, Singleton
 
@@ -37,11 +37,4 @@ def job(n: int) -> None:
 
 
 if __name__ == "__main__":
-    worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=100)
-    worker.start()
-    print("started", flush=True)
-    try:
-        sys.stdin.read()  # until the test closes stdin (or kills us)
-    finally:
-        worker.stop()
-        broker.close()
+    run_until_stdin_closes(broker)

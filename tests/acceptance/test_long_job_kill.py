@@ -7,10 +7,8 @@ moves the lease back to the outbox when it runs out, and the job runs again, onc
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +20,7 @@ import pytest
 from psycopg import sql
 from rabbitmq_nodes import RabbitNode
 from support import Rabbit
+from worker_apps import start_app, stop_app
 
 from dramatiq_reliable.outbox import OutboxBroker
 from dramatiq_reliable.outbox.long_jobs import leased_jobs
@@ -34,30 +33,15 @@ LEASE_MS = 2000
 
 
 def _worker(node: RabbitNode, database_url: str, schema: str, queue: str, *, stall: bool) -> subprocess.Popen[str]:
-    env = {
-        **os.environ,
-        "DATABASE_URL": database_url,
-        "RABBITMQ_URL": node.url,
-        "SCHEMA": schema,
-        "QUEUE": queue,
-        "STALL": "1" if stall else "0",
-        "LEASE_MS": str(LEASE_MS),
-    }
-    return subprocess.Popen(
-        [sys.executable, str(APP)], env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    return start_app(
+        APP,
+        DATABASE_URL=database_url,
+        RABBITMQ_URL=node.url,
+        SCHEMA=schema,
+        QUEUE=queue,
+        STALL="1" if stall else "0",
+        LEASE_MS=str(LEASE_MS),
     )
-
-
-def _stop(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None and process.stdin is not None:
-        process.stdin.close()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-    if process.stdin is not None:
-        process.stdin.close()
 
 
 @pytest.fixture
@@ -120,7 +104,7 @@ def test_a_long_job_whose_worker_was_killed_runs_again_after_its_lease_once(
         finally:
             rabbit.close()
     finally:
-        _stop(survivor)
+        stop_app(survivor)
     first, *later = db.execute(runs).fetchall()
     assert first[0] == doomed.pid and first[2] is None
     assert [r[0] for r in later] == [survivor.pid], f"the job ran {len(later)} times after the kill"

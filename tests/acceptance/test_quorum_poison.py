@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ import dramatiq
 import psycopg
 import pytest
 from psycopg import sql
+from worker_apps import start_app, stop_app
 
 from dramatiq_reliable import OutboxBroker
 from dramatiq_reliable.testing import drain_outbox, wait_for
@@ -24,29 +23,14 @@ LIMIT = 3
 
 
 def _worker(rabbitmq_urls: str, database_url: str, schema: str, queue: str) -> subprocess.Popen[str]:
-    env = {
-        **os.environ,
-        "RABBITMQ_URLS": rabbitmq_urls,
-        "DATABASE_URL": database_url,
-        "SCHEMA": schema,
-        "QUEUE": queue,
-        "DELIVERY_LIMIT": str(LIMIT),
-    }
-    return subprocess.Popen(
-        [sys.executable, str(APP)], env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    return start_app(
+        APP,
+        RABBITMQ_URLS=rabbitmq_urls,
+        DATABASE_URL=database_url,
+        SCHEMA=schema,
+        QUEUE=queue,
+        DELIVERY_LIMIT=str(LIMIT),
     )
-
-
-def _stop(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None and process.stdin is not None:
-        process.stdin.close()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-    if process.stdin is not None:
-        process.stdin.close()
 
 
 @pytest.fixture
@@ -116,5 +100,5 @@ def test_a_message_that_kills_its_worker_lands_in_dead_letters_at_the_limit_and_
         assert [n for (n,) in rows] == list(range(7))
     finally:
         for process in workers:
-            _stop(process)
+            stop_app(process)
         sender.close()

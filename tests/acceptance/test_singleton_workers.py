@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import itertools
-import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,6 +15,7 @@ import dramatiq
 import psycopg
 import pytest
 from psycopg import sql
+from worker_apps import start_app, stop_app
 
 from dramatiq_reliable import PostgresBroker
 from dramatiq_reliable.testing import wait_for
@@ -28,29 +27,14 @@ LEASE_MS = 3000
 
 
 def _worker(database_url: str, schema: str, queue: str, *, stall: bool) -> subprocess.Popen[str]:
-    env = {
-        **os.environ,
-        "DATABASE_URL": database_url,
-        "SCHEMA": schema,
-        "QUEUE": queue,
-        "STALL": "1" if stall else "0",
-        "SINGLETON_LEASE_MS": str(LEASE_MS),
-    }
-    return subprocess.Popen(
-        [sys.executable, str(APP)], env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    return start_app(
+        APP,
+        DATABASE_URL=database_url,
+        SCHEMA=schema,
+        QUEUE=queue,
+        STALL="1" if stall else "0",
+        SINGLETON_LEASE_MS=str(LEASE_MS),
     )
-
-
-def _stop(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None and process.stdin is not None:
-        process.stdin.close()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-    if process.stdin is not None:
-        process.stdin.close()
 
 
 @pytest.fixture
@@ -93,7 +77,7 @@ def test_a_singleton_sent_20_times_to_2_worker_processes_never_runs_twice_at_onc
         )
     finally:
         for process in workers:
-            _stop(process)
+            stop_app(process)
     rows = db.execute(runs).fetchall()
     assert sorted(r[0] for r in rows) == list(range(20))  # each message ran once: postponed, not dropped
     for before, after in itertools.pairwise(rows):
@@ -130,7 +114,7 @@ def test_a_worker_killed_while_holding_the_key_does_not_keep_it(
         # The next run waited for the dead holder's lease to lapse, not less.
         assert time.monotonic() - killed_at > (LEASE_MS - 500) / 1000
     finally:
-        _stop(survivor)
+        stop_app(survivor)
     leases = db.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(db_schema, "singleton_leases")))
     assert leases.fetchone() == (0,)
     first, *later = db.execute(runs).fetchall()

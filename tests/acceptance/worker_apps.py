@@ -1,0 +1,53 @@
+"""Worker apps the acceptance tests run as subprocesses: settings in the environment, stopped by closing stdin.
+
+Each app (``*_worker_app.py``) runs a Dramatiq worker until its stdin closes, so a test stops it
+gracefully with :func:`stop_app` and kills it for real with ``process.kill()`` (SIGKILL).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import dramatiq
+
+
+def start_app(app: Path, **settings: str) -> subprocess.Popen[str]:
+    """Start ``app`` with ``settings`` added to this process's environment."""
+    return subprocess.Popen(
+        [sys.executable, str(app)],
+        env={**os.environ, **settings},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+def stop_app(process: subprocess.Popen[str]) -> None:
+    """Close the app's stdin (its signal to stop) and wait; kill it if it is still there after 30 s."""
+    if process.poll() is None and process.stdin is not None:
+        process.stdin.close()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+    if process.stdin is not None:
+        process.stdin.close()
+
+
+def run_until_stdin_closes(broker: Any, *, threads: int = 2, prefetch: int | None = None) -> None:
+    """The apps' main: a Dramatiq worker on ``broker`` until the test closes stdin (or kills us)."""
+    worker = dramatiq.Worker(broker, worker_threads=threads, worker_timeout=100)
+    if prefetch is not None:
+        worker.queue_prefetch = prefetch
+    worker.start()
+    print("started", flush=True)
+    try:
+        sys.stdin.read()
+    finally:
+        worker.stop()
+        broker.close()
