@@ -11,6 +11,7 @@ import pika
 import psycopg
 import pytest
 from dramatiq.common import dq_name, xq_name
+from support import vhost_of
 
 from dramatiq_reliable import OutboxBroker, PayloadError, QueueMismatch
 from dramatiq_reliable.testing import drain_outbox, wait_for
@@ -40,9 +41,9 @@ def _refusal(rabbitmq_url: str, queue: str, arguments: dict[str, Any] | None) ->
 
 
 def _is_quorum(rabbitmq_url: str, queue: str) -> bool:
-    """Whether the machine's node holds ``queue`` as a quorum queue (asked with rabbitmqctl, read-only)."""
+    """Whether the machine's node holds ``queue`` as a quorum queue, in the URL's vhost (rabbitmqctl, read-only)."""
     listed = subprocess.run(
-        ["rabbitmqctl", "-q", "list_queues", "name", "type", "--formatter", "json"],
+        ["rabbitmqctl", "-q", "list_queues", "-p", vhost_of(rabbitmq_url), "name", "type", "--formatter", "json"],
         check=True,
         capture_output=True,
         text=True,
