@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from dramatiq_reliable import (
     check_cancelled,
     is_cancelled,
 )
+from dramatiq_reliable.cli import ExitCode, main
 from dramatiq_reliable.jobs.cancel import get_cancellation
 from dramatiq_reliable.testing import drain_outbox, wait_for
 
@@ -211,3 +213,42 @@ def test_an_unknown_id_changes_nothing_and_bad_input_is_refused_before_sql(
     for message_id, by in (("", "alice"), ("a\x00b", "alice"), ("x" * 256, "alice"), (unknown, ""), (None, "a")):
         with pytest.raises(ConfigurationError):
             cancel_job(database, db_schema, message_id, by=by)  # type: ignore[arg-type]
+
+
+def test_the_cli_cancels_once_exits_7_for_an_unknown_id_and_8_for_a_finished_job(
+    outbox_broker: OutboxBroker,
+    qname: str,
+    database_url: str,
+    db_schema: str,
+    db: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def cli(*argv: str) -> tuple[int, str, str]:
+        code = main(["jobs", "cancel", *argv, "--database-url", database_url, "--schema", db_schema])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    task = dramatiq.actor(lambda: None, actor_name=f"{qname}_a", queue_name=qname, broker=outbox_broker)
+    message = task.send()
+    code, _, err = cli(message.message_id)  # no terminal, no --yes: refused
+    assert code == ExitCode.ABORTED and "pass --yes" in err
+    assert count(db, db_schema, "outbox", message.message_id) == 1
+    code, out, _ = cli(message.message_id, "--yes", "--by", "alice", "--reason", "sent twice")
+    assert code == ExitCode.OK and "removed from the outbox" in out and "alice" in out
+    code, out, _ = cli(message.message_id, "--yes", "--json")
+    assert code == ExitCode.OK and json.loads(out)["outcome"] == "already_cancelled"
+    code, _, err = cli(str(uuid.uuid4()), "--yes")
+    assert code == ExitCode.NOT_FOUND == 7 and "nothing changed" in err
+    code, _, err = cli("a" * 300, "--yes")
+    assert code == ExitCode.USAGE and "message_id" in err
+    done = task.send()
+    db.execute(
+        psycopg.sql.SQL(
+            "INSERT INTO {} (actor_name, job_key, payload_hash, message_id, expires_at) "
+            "VALUES (%s, %s, '\\x00', %s, now() + interval '1 hour')"
+        ).format(psycopg.sql.Identifier(db_schema, "processed_jobs")),
+        (task.actor_name, done.message_id, done.message_id),
+    )
+    drain_outbox(outbox_broker)
+    code, out, _ = cli(done.message_id, "--yes")
+    assert code == ExitCode.REFUSED == 8 and "already finished (done)" in out
