@@ -211,6 +211,8 @@ class Cancellation(Middleware):
                 .execute(_sql.rendered("cancel_check", backing.schema), {"message_id": message_id})
                 .fetchone()
             )
+            if row is not None:
+                conn.execute(_sql.query("cancel_skipped", backing.schema), {"message_id": message_id})
         return None if row is None else str(row["cancelled_by"])
 
 
@@ -239,7 +241,7 @@ def is_cancelled() -> bool:
         return False
     try:
         with running.database.autocommit() as conn:
-            row = conn.execute(_sql.rendered("cancel_probe", running.schema), {"message_id": running.message_id})
+            row = conn.execute(_sql.rendered("cancel_check", running.schema), {"message_id": running.message_id})
             running.cancelled = row.fetchone() is not None
     except psycopg.OperationalError as error:
         raise DatabaseUnavailable(
