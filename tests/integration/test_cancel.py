@@ -252,3 +252,28 @@ def test_the_cli_cancels_once_exits_7_for_an_unknown_id_and_8_for_a_finished_job
     drain_outbox(outbox_broker)
     code, out, _ = cli(done.message_id, "--yes")
     assert code == ExitCode.REFUSED == 8 and "already finished (done)" in out
+
+
+def test_a_postgres_queue_row_held_by_a_dead_worker_is_tombstoned_then_skipped_on_redelivery(
+    postgres_broker: PostgresBroker, qname: str, database: Database, db_schema: str, db: Any
+) -> None:
+    ran: list[int] = []
+    task = dramatiq.actor(ran.append, actor_name=f"{qname}_a", queue_name=qname, broker=postgres_broker)
+    held = task.send(1)
+    # A worker claimed it and died: the row keeps its lease, which has just run out.
+    db.execute(
+        psycopg.sql.SQL("UPDATE {} SET lease = 42, deliveries = 1, available_at = now() WHERE message_id = %s").format(
+            psycopg.sql.Identifier(db_schema, "queue")
+        ),
+        (held.message_id,),
+    )
+    result = cancel_job(database, db_schema, held.message_id, by="alice")
+    assert result.outcome == "in_flight"
+    assert count(db, db_schema, "queue", held.message_id) == 1  # a held row is never deleted under a worker
+    worker = run_worker(postgres_broker, qname)
+    try:
+        wait_done(postgres_broker, qname)
+    finally:
+        worker.stop()
+    assert ran == []
+    assert count(db, db_schema, "queue", held.message_id) == 0  # acked
