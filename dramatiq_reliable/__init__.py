@@ -28,6 +28,7 @@ from .errors import (
     DeliveryLimitReached,
     IdempotencyConflict,
     IdempotencyKeyError,
+    JobCancelled,
     JobCommitFailed,
     MiddlewareFailed,
     NoCurrentJob,
@@ -50,6 +51,7 @@ from .idempotency import (
     external_key,
     job_connection,
 )
+from .jobs import Cancellation, CancelResult, cancel_job, check_cancelled, is_cancelled
 from .outbox import OutboxBroker, Relay, RelayOptions, WorkerRelay, bind
 from .postgres import PostgresBroker
 from .retries import ClassifiedRetries, build_middleware, no_delays
@@ -61,6 +63,8 @@ from .tracing import Tracing
 __all__ = [
     "ActorOptionError",
     "BrokerUnavailable",
+    "CancelResult",
+    "Cancellation",
     "CheckpointError",
     "CheckpointWindow",
     "ClassifiedRetries",
@@ -78,6 +82,7 @@ __all__ = [
     "IdempotencyConflict",
     "IdempotencyKeyError",
     "IdempotencyStore",
+    "JobCancelled",
     "JobCommitFailed",
     "MiddlewareFailed",
     "NoCurrentJob",
@@ -106,11 +111,14 @@ __all__ = [
     "WorkerScheduler",
     "bind",
     "build_middleware",
+    "cancel_job",
+    "check_cancelled",
     "checkpoint",
     "classify",
     "current_job",
     "current_lease",
     "external_key",
+    "is_cancelled",
     "job_connection",
     "migrate",
     "migration_sql",

@@ -18,6 +18,7 @@ Every error here says what went wrong and ends with the fix, and every one is a
           ├── DatabaseUnavailable       (also MiddlewareError) Postgres unreachable in a before-hook
           ├── MiddlewareFailed          (also MiddlewareError) an unexpected error in a before-hook of ours
           ├── Unrecoverable             raised by an actor: never retried, dead-lettered at once
+          ├── JobCancelled              raised at a cancel checkpoint: acked, never retried nor dead-lettered
           ├── IdempotencyKeyError       (also SkipMessage) a job key that cannot be computed
           ├── IdempotencyConflict       (also SkipMessage) a key reused with other arguments
           ├── NoCurrentJob              (also LookupError) job helpers called outside a job
@@ -52,6 +53,7 @@ __all__ = [
     "DeliveryLimitReached",
     "IdempotencyConflict",
     "IdempotencyKeyError",
+    "JobCancelled",
     "JobCommitFailed",
     "MiddlewareFailed",
     "NoCurrentJob",
@@ -195,6 +197,18 @@ class Unrecoverable(ReliableError):
     dead letters with this error's message.
 
     >>> raise Unrecoverable(f"user {user_id!r} does not exist")  # doctest: +SKIP
+    """
+
+    __module__ = _PUBLIC_MODULE
+
+
+class JobCancelled(ReliableError):
+    """The running job was cancelled (``dramatiq-reliable jobs cancel``) and stops here.
+
+    Raised by :func:`~dramatiq_reliable.check_cancelled` (or by the actor itself after
+    :func:`~dramatiq_reliable.is_cancelled` said so).  ``ClassifiedRetries`` treats it as final
+    without failing the message: it is acked, never retried and never dead-lettered, and the
+    job's transaction (under transactional ``Idempotency``) rolls back like any exception's.
     """
 
     __module__ = _PUBLIC_MODULE

@@ -55,7 +55,7 @@ from .classify import (
     http_status_of,
     rules_from,
 )
-from .errors import ConfigurationError
+from .errors import ConfigurationError, JobCancelled
 
 __all__ = [
     "DEFAULT_MAX_BACKOFF",
@@ -401,6 +401,10 @@ class ClassifiedRetries(Middleware):
         exception: BaseException | None = None,
     ) -> None:
         if exception is None:
+            return
+        if isinstance(exception, JobCancelled):
+            # A cancelled job stopped on purpose: final, but not a failure.  The message is not
+            # failed, so it is acked (never retried, never dead-lettered).
             return
         retries = message.options.get("retries", 0)
         attempt = retries + 1 if is_int(retries) else 1

@@ -27,6 +27,7 @@ from . import _sql
 from .errors import SchemaNotReady
 
 __all__ = [
+    "CANCEL_VERSION",
     "DEAD_LETTERS_VERSION",
     "IDEMPOTENCY_VERSION",
     "LATEST_VERSION",
@@ -55,6 +56,8 @@ QUEUE_VERSION = 4
 SCHEDULER_VERSION = 5
 # Leases of long jobs (OutboxBroker's LongJobs): created by 9.
 LONG_JOBS_VERSION = 9
+# Cancellations (jobs cancel, the Cancellation middleware) and the message-id indexes: created by 12.
+CANCEL_VERSION = 12
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 

@@ -19,7 +19,7 @@ from .._checks import check_int, check_ms
 from .._util import first_line as _first_line
 from ..backing import backing_of
 from ..database import Database, DatabaseLike
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, JobCancelled
 from .analysis import _as_int, _describe_failure
 from .protocol import DeadLetterStore
 from .records import (
@@ -191,6 +191,11 @@ class DeadLetters(Middleware):
 
     def before_nack(self, broker: Broker, message: MessageProxy) -> None:
         """Store the dying message; never raises, so the nack always follows."""
+        if isinstance(getattr(message, "_exception", None), JobCancelled):
+            # A cancelled job is not a failure to fix or replay (ClassifiedRetries acks it); if
+            # another middleware failed it anyway, it must not come back through a replay.
+            logger.warning("cancelled message %s was nacked; not storing it as a dead letter", message.message_id)
+            return
         try:
             self.capture(broker, message)
         except Exception:  # pragma: no cover - capture() already catches; belt and braces
