@@ -29,6 +29,7 @@ from .errors import (
     IdempotencyConflict,
     IdempotencyKeyError,
     JobCommitFailed,
+    JobNotFound,
     MiddlewareFailed,
     NoCurrentJob,
     NotBound,
@@ -50,6 +51,7 @@ from .idempotency import (
     external_key,
     job_connection,
 )
+from .jobs import JobStatus, list_jobs, show_job
 from .outbox import OutboxBroker, Relay, RelayOptions, WorkerRelay, bind
 from .postgres import PostgresBroker
 from .retries import ClassifiedRetries, build_middleware, no_delays
@@ -79,6 +81,8 @@ __all__ = [
     "IdempotencyKeyError",
     "IdempotencyStore",
     "JobCommitFailed",
+    "JobNotFound",
+    "JobStatus",
     "MiddlewareFailed",
     "NoCurrentJob",
     "NotBound",
@@ -112,10 +116,12 @@ __all__ = [
     "current_lease",
     "external_key",
     "job_connection",
+    "list_jobs",
     "migrate",
     "migration_sql",
     "no_delays",
     "schedule",
+    "show_job",
 ]
 
 try:

@@ -22,6 +22,7 @@ Every error here says what went wrong and ends with the fix, and every one is a
           ├── IdempotencyConflict       (also SkipMessage) a key reused with other arguments
           ├── NoCurrentJob              (also LookupError) job helpers called outside a job
           ├── ScheduleNotFound          (also LookupError) no schedule of that name; see 'schedules list'
+          ├── JobNotFound               (also LookupError) no table knows that message id or key
           ├── ScheduleDisabled          a schedule removed from code cannot be triggered
           ├── CheckpointError           (also ValueError) a checkpoint misused: wrong type, moved backwards
           └── JobCommitFailed           the actor returned but its transaction did not commit
@@ -53,6 +54,7 @@ __all__ = [
     "IdempotencyConflict",
     "IdempotencyKeyError",
     "JobCommitFailed",
+    "JobNotFound",
     "MiddlewareFailed",
     "NoCurrentJob",
     "NotBound",
@@ -258,6 +260,12 @@ class CommitOutcomeUnknown(JobCommitFailed):
 
 class ScheduleNotFound(ReliableError, LookupError):
     """A schedule asked for by name is not stored; the message says how to see the names."""
+
+    __module__ = _PUBLIC_MODULE
+
+
+class JobNotFound(ReliableError, LookupError):
+    """No table knows a job id (message id or idempotency key): mistyped, or purged by retention."""
 
     __module__ = _PUBLIC_MODULE
 

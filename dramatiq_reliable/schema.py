@@ -29,6 +29,7 @@ from .errors import SchemaNotReady
 __all__ = [
     "DEAD_LETTERS_VERSION",
     "IDEMPOTENCY_VERSION",
+    "JOBS_VERSION",
     "LATEST_VERSION",
     "LONG_JOBS_VERSION",
     "OUTBOX_VERSION",
@@ -55,6 +56,8 @@ QUEUE_VERSION = 4
 SCHEDULER_VERSION = 5
 # Leases of long jobs (OutboxBroker's LongJobs): created by 9.
 LONG_JOBS_VERSION = 9
+# The failure record (job_attempts) and the message-id indexes `jobs show` reads: created by 10.
+JOBS_VERSION = 10
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
