@@ -175,3 +175,33 @@ def test_a_job_that_cannot_recover_is_dead_with_its_error(rig: Rig, qname: str, 
 def test_an_unknown_id_is_not_found_and_says_what_was_searched(rig: Rig) -> None:
     with pytest.raises(JobNotFound, match="no job 'nope'"):
         rig.show("nope")
+
+
+def _records(rig: Rig) -> list[tuple[Any, ...]]:
+    return rig.db.execute(
+        sql.SQL("SELECT message_id, attempts FROM {}").format(sql.Identifier(rig.schema, "job_attempts"))
+    ).fetchall()
+
+
+def test_a_job_that_succeeds_writes_no_failure_record(rig: Rig, qname: str, start: Any) -> None:
+    @dramatiq.actor(queue_name=qname, actor_name=f"{qname}_ok")
+    def fine() -> None: ...
+
+    message = fine.send()
+    rig.hand_over()
+    start()
+    wait_for(lambda: rig.show(message.message_id).state == "done", message="the job never finished")
+    assert _records(rig) == []
+
+
+def test_expired_failure_records_are_purged_with_the_expired_keys(rig: Rig, database_url: str) -> None:
+    from dramatiq_reliable.idempotency import purge_expired
+
+    insert = sql.SQL(
+        "INSERT INTO {} (message_id, queue_name, actor_name, attempts, outcome, expires_at) "
+        "VALUES (%s, 'q', 'a', 1, 'retry', now() + make_interval(secs => %s))"
+    ).format(sql.Identifier(rig.schema, "job_attempts"))
+    for message_id, expires_in_s in (("old-1", -10), ("old-2", -1), ("fresh", 3600)):
+        rig.db.execute(insert, (message_id, expires_in_s))
+    purge_expired(database_url, schema=rig.schema, batch_size=1)
+    assert _records(rig) == [("fresh", 1)]
