@@ -231,6 +231,26 @@ def read_queued(lookup: Lookup) -> Finding | None:
     return None
 
 
+def read_gave_up(lookup: Lookup) -> Finding | None:
+    """A failure record whose last decision was to give up, with no dead letter and nothing sent since.
+
+    Without ``DeadLetters`` no dead letter is stored; a replayed or discarded one is no longer
+    ``dead``.  A row sent after the last failure (a replay) is newer news, told by the next reader.
+    """
+    record = lookup.attempts
+    if record is None or record["outcome"] == "retry":
+        return None
+    row = _one(lookup, "jobs_outbox")
+    if row is not None and row["created_at"] > record["failed_at"]:
+        return None
+    return Finding(
+        "dead",
+        record["failed_at"],
+        f"gave up ({record['outcome']}: {record['reason']}); no dead letter is stored for it "
+        "(DeadLetters not installed, or it was replayed or discarded)",
+    )
+
+
 def read_published(lookup: Lookup) -> Finding | None:
     """An outbox row the relay published: RabbitMQ has it, Postgres has heard nothing since."""
     row = _one(lookup, "jobs_outbox")
@@ -248,7 +268,15 @@ def read_published(lookup: Lookup) -> Finding | None:
 
 #: The readers, in the order they are asked; the first that recognises the message decides its
 #: state.  Cancel (slice C) inserts its reader first: ``STATE_READERS.insert(0, read_cancelled)``.
-STATE_READERS: list[Reader] = [read_dead, read_done, read_running, read_retrying, read_queued, read_published]
+STATE_READERS: list[Reader] = [
+    read_dead,
+    read_done,
+    read_running,
+    read_retrying,
+    read_queued,
+    read_gave_up,
+    read_published,
+]
 
 
 def _candidates(conn: psycopg.Connection[Any], schema: str, id: str) -> list[tuple[str, dict[str, Any] | None]]:
@@ -308,8 +336,10 @@ def _show(conn: psycopg.Connection[Any], schema: str, id: str) -> JobStatus:
             if finding is not None:
                 return _status(message_id, finding, record)
         if record is not None:
-            # Failed, gave up, and its dead letter was replayed or discarded: say what is known.
-            return _status(message_id, Finding("dead", record["failed_at"], f"gave up ({record['outcome']})"), record)
+            # Retention took every other row: the failure record is all that is left.
+            return _status(
+                message_id, Finding("dead", record["failed_at"], f"last failed ({record['outcome']})"), record
+            )
     raise JobNotFound(
         f"no job {id!r} in schema {schema!r}: no outbox, queue, failure, dead-letter or idempotency row has that "
         "message id or key; check the id (message ids are UUIDs), or it was purged by retention"

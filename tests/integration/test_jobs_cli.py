@@ -113,3 +113,29 @@ def test_list_filters_by_state_actor_and_queue(run: Any, db: psycopg.Connection[
     assert code == ExitCode.OK and retrying in out and "ConnectionResetError: smtp down" in out
     code, out, _ = run("jobs", "list", "--state", "dead")
     assert (code, out) == (ExitCode.OK, "no dead jobs\n")
+
+
+def test_a_job_given_up_without_dead_letters_is_dead_until_it_is_sent_again(
+    run: Any, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    """No DeadLetters middleware: the failure record that gave up outranks the old published row."""
+    message_id = str(uuid.uuid4())
+    outbox = sql.SQL(
+        "INSERT INTO {} (message_id, queue_name, actor_name, body, created_at, published_at) "
+        "VALUES (%s, 'mail', 'send_email', '\\x7b7d', now() - make_interval(secs => %s), now())"
+    ).format(sql.Identifier(db_schema, "outbox"))
+    db.execute(outbox, (message_id, 60))
+    _failed(db, db_schema, message_id, "send_email")
+    db.execute(
+        sql.SQL("UPDATE {} SET outcome = 'exhausted', next_due_at = NULL").format(
+            sql.Identifier(db_schema, "job_attempts")
+        )
+    )
+    code, out, _ = run("jobs", "show", message_id, "--json")
+    shown = json.loads(out)
+    assert (code, shown["state"], shown["attempts"], shown["next_due_at"]) == (ExitCode.OK, "dead", 2, None)
+    assert "no dead letter is stored" in shown["detail"]
+    # Sent again by hand (a replay): the new row is newer news than the failure.
+    db.execute(outbox, (message_id, -1))
+    code, out, _ = run("jobs", "show", message_id, "--json")
+    assert json.loads(out)["state"] == "published_no_news"
