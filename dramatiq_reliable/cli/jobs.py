@@ -46,7 +46,13 @@ def register(
     listing.add_argument("--state", choices=LISTABLE_STATES, required=True, help="which jobs")
     listing.add_argument("--actor", help="only this actor")
     listing.add_argument("--queue", help="only this queue")
-    listing.add_argument("--limit", type=Integer(minimum=1, maximum=10_000), default=50, metavar="N")
+    listing.add_argument(
+        "--limit",
+        type=Integer(minimum=1, maximum=10_000),
+        default=50,
+        metavar="N",
+        help="at most N jobs (default %(default)s)",
+    )
     listing.add_argument("--json", action="store_true", help="print JSON for scripts")
     listing.set_defaults(handler=_list)
     return parser
