@@ -5,6 +5,7 @@ what ``show_job`` says at each step, on both Postgres-backed brokers."""
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -205,3 +206,26 @@ def test_expired_failure_records_are_purged_with_the_expired_keys(rig: Rig, data
         rig.db.execute(insert, (message_id, expires_in_s))
     purge_expired(database_url, schema=rig.schema, batch_size=1)
     assert _records(rig) == [("fresh", 1)]
+
+
+def test_a_job_a_postgres_broker_worker_holds_is_running(rig: Rig, qname: str, start: Any) -> None:
+    """PostgresBroker leases the row it hands a worker; an OutboxBroker job says so only under LongJobs."""
+    if rig.kind != "postgres":
+        pytest.skip("a RabbitMQ delivery leaves no row in Postgres unless LongJobs leases it")
+    started, release = threading.Event(), threading.Event()
+
+    @dramatiq.actor(queue_name=qname, actor_name=f"{qname}_slow")
+    def slow() -> None:
+        started.set()
+        release.wait(10)
+
+    message = slow.send()
+    start()
+    try:
+        assert started.wait(10), "the job never started"
+        running = rig.show(message.message_id)
+        assert (running.state, running.queue_name) == ("running", qname)
+        assert "held by a PostgresBroker worker" in running.detail
+    finally:
+        release.set()
+    wait_for(lambda: rig.show(message.message_id).state == "done", message="the job never finished")
