@@ -30,6 +30,7 @@ from .errors import (
     IdempotencyKeyError,
     JobCancelled,
     JobCommitFailed,
+    JobNotFound,
     MiddlewareFailed,
     NoCurrentJob,
     NotBound,
@@ -51,7 +52,7 @@ from .idempotency import (
     external_key,
     job_connection,
 )
-from .jobs import Cancellation, CancelResult, cancel_job, check_cancelled, is_cancelled
+from .jobs import Cancellation, CancelResult, JobStatus, cancel_job, check_cancelled, is_cancelled, list_jobs, show_job
 from .outbox import OutboxBroker, Relay, RelayOptions, WorkerRelay, bind
 from .postgres import PostgresBroker
 from .retries import ClassifiedRetries, build_middleware, no_delays
@@ -84,6 +85,8 @@ __all__ = [
     "IdempotencyStore",
     "JobCancelled",
     "JobCommitFailed",
+    "JobNotFound",
+    "JobStatus",
     "MiddlewareFailed",
     "NoCurrentJob",
     "NotBound",
@@ -120,10 +123,12 @@ __all__ = [
     "external_key",
     "is_cancelled",
     "job_connection",
+    "list_jobs",
     "migrate",
     "migration_sql",
     "no_delays",
     "schedule",
+    "show_job",
 ]
 
 try:

@@ -23,6 +23,7 @@ Every error here says what went wrong and ends with the fix, and every one is a
           ├── IdempotencyConflict       (also SkipMessage) a key reused with other arguments
           ├── NoCurrentJob              (also LookupError) job helpers called outside a job
           ├── ScheduleNotFound          (also LookupError) no schedule of that name; see 'schedules list'
+          ├── JobNotFound               (also LookupError) no table knows that message id or key
           ├── ScheduleDisabled          a schedule removed from code cannot be triggered
           ├── CheckpointError           (also ValueError) a checkpoint misused: wrong type, moved backwards
           └── JobCommitFailed           the actor returned but its transaction did not commit
@@ -55,6 +56,7 @@ __all__ = [
     "IdempotencyKeyError",
     "JobCancelled",
     "JobCommitFailed",
+    "JobNotFound",
     "MiddlewareFailed",
     "NoCurrentJob",
     "NotBound",
@@ -272,6 +274,12 @@ class CommitOutcomeUnknown(JobCommitFailed):
 
 class ScheduleNotFound(ReliableError, LookupError):
     """A schedule asked for by name is not stored; the message says how to see the names."""
+
+    __module__ = _PUBLIC_MODULE
+
+
+class JobNotFound(ReliableError, LookupError):
+    """No table knows a job id (message id or idempotency key): mistyped, or purged by retention."""
 
     __module__ = _PUBLIC_MODULE
 

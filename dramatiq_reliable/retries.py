@@ -41,7 +41,7 @@ from dramatiq.middleware import Middleware, Retries, default_middleware
 from dramatiq.worker import Worker
 
 from . import events
-from ._checks import check_ms, is_int
+from ._checks import check_bool, check_ms, is_int
 from ._util import type_name as _type_name
 from .backing import postgres_backed
 from .classify import (
@@ -56,6 +56,7 @@ from .classify import (
     rules_from,
 )
 from .errors import ConfigurationError, JobCancelled
+from .jobs.attempts import DEFAULT_FAILURE_RETENTION_MS, record_failure
 
 __all__ = [
     "DEFAULT_MAX_BACKOFF",
@@ -237,6 +238,10 @@ class ClassifiedRetries(Middleware):
         ``max_backoff`` or ``max_retry_after_ms`` exceeds it.  ``None`` silences the check
         (Redis, or a RabbitMQ with the timeout raised).
       testing: retry without waiting (see also :func:`no_delays`).
+      record_failures: on a Postgres-backed broker, upsert each failed attempt's record (attempts,
+        last error, next due) in ``job_attempts`` for ``jobs show`` (default True; a job that
+        never fails writes nothing).  See :mod:`dramatiq_reliable.jobs.attempts`.
+      failure_retention_ms: how long a failure record is kept after its latest failure (7 days).
 
     >>> broker = RabbitmqBroker(middleware=build_middleware(
     ...     retries=ClassifiedRetries(max_retries=5, rules={PaymentDeclined: Decision.permanent("declined")}),
@@ -260,6 +265,8 @@ class ClassifiedRetries(Middleware):
         max_retry_after_ms: int | None = DEFAULT_MAX_RETRY_AFTER_MS,
         consumer_timeout_ms: int | None = RABBITMQ_CONSUMER_TIMEOUT_MS,
         testing: bool = False,
+        record_failures: bool = True,
+        failure_retention_ms: int = DEFAULT_FAILURE_RETENTION_MS,
     ) -> None:
         # None means the default, as in Dramatiq's Retries.
         min_backoff = DEFAULT_MIN_BACKOFF if min_backoff is None else min_backoff
@@ -330,6 +337,14 @@ class ClassifiedRetries(Middleware):
         )
         if not isinstance(testing, bool):
             raise ConfigurationError(f"testing must be True or False, got {testing!r}")
+        self.record_failures = check_bool("record_failures", record_failures)
+        check_ms(
+            "failure_retention_ms",
+            failure_retention_ms,
+            minimum=1,
+            fix="pass how long a failure record is kept in milliseconds, e.g. 7 days",
+        )
+        self.failure_retention_ms: int = failure_retention_ms
 
         self.max_retries = max_retries
         self.min_backoff: int = min_backoff
@@ -425,6 +440,7 @@ class ClassifiedRetries(Middleware):
                 matched_type=_type_name(type(exception)),
             )
             message.options[RETRY_DECISION_KEY] = decision_record(decision, "fail", attempt, None)
+            self._record(broker, message, exception)
             message.fail()
             events.emit(retry_event(RetryGaveUp, message, decision, "fail", attempt))
 
@@ -453,7 +469,7 @@ class ClassifiedRetries(Middleware):
                 error_type=_type_name(type(exception)),
                 matched_type=_type_name(type(exception)),
             )
-            self._give_up(broker, message, actor, decision, "fail", attempt, max_retries)
+            self._give_up(broker, message, actor, decision, "fail", attempt, max_retries, exception)
             return
 
         options["retries"] = retries + 1
@@ -470,7 +486,7 @@ class ClassifiedRetries(Middleware):
             now=now_ms / 1000,
         )
         if not decision.retry:
-            self._give_up(broker, message, actor, decision, "fail", attempt, max_retries)
+            self._give_up(broker, message, actor, decision, "fail", attempt, max_retries, exception)
             return
 
         retry_when = actor.options.get("retry_when", self.retry_when)
@@ -479,14 +495,14 @@ class ClassifiedRetries(Middleware):
         else:
             exhausted = max_retries is not None and retries >= max_retries
         if exhausted:
-            self._give_up(broker, message, actor, decision, "exhausted", attempt, max_retries)
+            self._give_up(broker, message, actor, decision, "exhausted", attempt, max_retries, exception)
             return
 
         delay = self._delay(decision, attempt, option)
         deadline_ms = option("retry_deadline_ms", self.retry_deadline_ms)
         if deadline_ms is not None and now_ms + delay - message.message_timestamp > deadline_ms:
             decision = dataclasses.replace(decision, delay_ms=delay)
-            self._give_up(broker, message, actor, decision, "deadline", attempt, max_retries)
+            self._give_up(broker, message, actor, decision, "deadline", attempt, max_retries, exception)
             return
 
         if (
@@ -504,6 +520,9 @@ class ClassifiedRetries(Middleware):
             )
         decision = dataclasses.replace(decision, delay_ms=delay)
         options[RETRY_DECISION_KEY] = decision_record(decision, "retry", attempt, max_retries)
+        # Before the retry is written: the held message may be acked as it is, and `jobs show`
+        # must never find neither the message nor its record.
+        self._record(broker, message, exception)
         # The proxy, as Dramatiq's Retries passes it: brokers only read its fields.
         broker.enqueue(cast("Message[Any]", message), delay=delay)
         events.emit(retry_event(RetryScheduled, message, decision, "retry", attempt))
@@ -538,10 +557,12 @@ class ClassifiedRetries(Middleware):
         outcome: RetryOutcome,
         attempt: int,
         max_retries: int | None,
+        exception: BaseException,
     ) -> None:
         # A deadline record keeps the delay that would have overshot it; other give-ups have none.
         record_decision = decision if outcome == "deadline" else dataclasses.replace(decision, delay_ms=None)
         message.options[RETRY_DECISION_KEY] = decision_record(record_decision, outcome, attempt, max_retries)
+        self._record(broker, message, exception)
         message.fail()
         events.emit(retry_event(RetryGaveUp, message, record_decision, outcome, attempt))
 
@@ -560,6 +581,13 @@ class ClassifiedRetries(Middleware):
                     logger.exception(
                         "could not send on_retry_exhausted actor %r for message %s", target, message.message_id
                     )
+
+    def _record(self, broker: Broker, message: MessageProxy, exception: BaseException) -> None:
+        """The failure record of this attempt (``jobs show``); never raises, nothing on success."""
+        if self.record_failures:
+            record_failure(
+                broker, message, exception, message.options[RETRY_DECISION_KEY], retention_ms=self.failure_retention_ms
+            )
 
     def _warn_if_beyond_consumer_timeout(self, owner: str, max_backoff: Any, max_retry_after_ms: Any) -> None:
         limit = self.consumer_timeout_ms

@@ -30,6 +30,7 @@ __all__ = [
     "CANCEL_VERSION",
     "DEAD_LETTERS_VERSION",
     "IDEMPOTENCY_VERSION",
+    "JOBS_VERSION",
     "LATEST_VERSION",
     "LONG_JOBS_VERSION",
     "OUTBOX_VERSION",
@@ -56,7 +57,9 @@ QUEUE_VERSION = 4
 SCHEDULER_VERSION = 5
 # Leases of long jobs (OutboxBroker's LongJobs): created by 9.
 LONG_JOBS_VERSION = 9
-# Cancellations (jobs cancel, the Cancellation middleware) and the message-id indexes: created by 12.
+# The failure record (job_attempts) and the message-id indexes `jobs show` reads: created by 10.
+JOBS_VERSION = 10
+# Cancellations (jobs cancel, the Cancellation middleware) (the message-id indexes come with 10 and 12): created by 12.
 CANCEL_VERSION = 12
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")

@@ -1,15 +1,16 @@
-"""The ``dramatiq-reliable jobs`` command: act on one job by its message id.
+"""``dramatiq-reliable jobs``: look a job up by message id or idempotency key, list jobs by state, cancel one.
 
 ::
 
+    dramatiq-reliable jobs show ID [--json]
+    dramatiq-reliable jobs list --state retrying|dead|waiting [--actor A] [--queue Q] [--limit N] [--json]
     dramatiq-reliable jobs cancel ID [--reason TEXT] [--by NAME] [--yes] [--json]
 
-``cancel`` asks for confirmation on a terminal; ``--yes`` skips it, and without a terminal and
-without ``--yes`` it is refused (exit ``ABORTED``).  Exit codes: ``OK`` when the job is
-cancelled now or was already, ``NOT_FOUND`` (7) when Postgres holds nothing of that id, and
-``REFUSED`` (8) when the job already finished (done or dead) and so was left alone.
-
-``cli/__init__.py`` adds this command with :func:`register`.
+``jobs show ID`` exits ``NOT_FOUND`` (7) for an id no table knows.  ``cancel`` asks for
+confirmation on a terminal; ``--yes`` skips it, and without a terminal and without ``--yes`` it
+is refused (exit ``ABORTED``).  Its exit codes: ``OK`` when the job is cancelled now or was
+already, ``NOT_FOUND`` (7) when Postgres holds nothing of that id, and ``REFUSED`` (8) when the
+job already finished (done or dead) and so was left alone.
 """
 
 from __future__ import annotations
@@ -18,27 +19,58 @@ import argparse
 from collections.abc import Sequence
 
 from ..dead_letters.validators import check_by
+from ..errors import JobNotFound
 from ..jobs.cancel import ALREADY_CANCELLED, FINISHED, UNKNOWN, cancel_job
+from ..jobs.lookup import LISTABLE_STATES, JobStatus, list_jobs, show_job
 from . import output
-from .common import ExitCode, confirm, open_database, print_error
+from .common import ExitCode, Integer, confirm, connect, open_database, print_error
 
 __all__ = ["register"]
 
 
 def register(
     subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-    common_parents: Sequence[argparse.ArgumentParser],
+    parents: Sequence[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
-    """Add ``jobs`` and its actions to ``subparsers``; each action sets ``handler``."""
+    """Add ``jobs show`` and ``jobs list``; ``parents`` supply ``--database-url`` and ``--schema``."""
     parser = subparsers.add_parser(
         "jobs",
-        help="act on one job by its message id (cancel)",
-        description="One job by its Dramatiq message id, wherever it is: the outbox, a queue, or running.",
+        help="look jobs up by id, list them by state, cancel one",
+        description="What became of a job: waiting, scheduled, published, retrying, running, done, dead.",
     )
     actions = parser.add_subparsers(dest="jobs_command", required=True, metavar="ACTION")
+    show = actions.add_parser(
+        "show",
+        parents=list(parents),
+        help="the state of one job",
+        description="The state of one job, its attempts, last error, next try and trace id (exit 7: unknown id).",
+    )
+    show.add_argument("id", help="a message id, or an idempotency key")
+    show.add_argument("--json", action="store_true", help="print JSON for scripts")
+    show.set_defaults(handler=_show)
+
+    listing = actions.add_parser(
+        "list",
+        parents=list(parents),
+        help="jobs retrying, dead or waiting",
+        description="Jobs in one state: retrying (latest failure first), dead (latest first), waiting (oldest first).",
+    )
+    listing.add_argument("--state", choices=LISTABLE_STATES, required=True, help="which jobs")
+    listing.add_argument("--actor", help="only this actor")
+    listing.add_argument("--queue", help="only this queue")
+    listing.add_argument(
+        "--limit",
+        type=Integer(minimum=1, maximum=10_000),
+        default=50,
+        metavar="N",
+        help="at most N jobs (default %(default)s)",
+    )
+    listing.add_argument("--json", action="store_true", help="print JSON for scripts")
+    listing.set_defaults(handler=_list)
+
     cancel = actions.add_parser(
         "cancel",
-        parents=list(common_parents),
+        parents=list(parents),
         help="cancel a job: removed if it still waits in Postgres, else skipped on delivery or stopped",
         description=(
             "Cancel the job with this message id.  Still in the outbox or the Postgres queue table: its row is "
@@ -54,6 +86,72 @@ def register(
     cancel.add_argument("--json", action="store_true", help="print JSON for scripts")
     cancel.set_defaults(handler=_cancel)
     return parser
+
+
+def _show(args: argparse.Namespace) -> int:
+    with connect(args, autocommit=True) as conn:
+        try:
+            status = show_job(conn, args.schema, args.id)
+        except JobNotFound as error:
+            print_error(str(error))
+            return ExitCode.NOT_FOUND
+    if args.json:
+        output.print_json(status.asdict())
+    else:
+        print(_describe(status))
+    return ExitCode.OK
+
+
+def _describe(status: JobStatus) -> str:
+    lines = [("message", status.message_id), ("state", status.state)]
+    if status.since is not None:
+        lines.append(("since", f"{status.since.isoformat()} ({output.ago(status.since)})"))
+    lines.append(("actor", status.actor_name or "-"))
+    lines.append(("queue", status.queue_name or "-"))
+    if status.attempts:
+        limit = "no limit" if status.max_retries is None else f"max retries {status.max_retries}"
+        lines.append(("attempts", f"{status.attempts} failed ({limit})"))
+    if status.last_error_type or status.last_error_message:
+        lines.append(("last error", f"{status.last_error_type or '?'}: {status.last_error_message or ''}"))
+    if status.last_error_where:
+        lines.append(("where", status.last_error_where))
+    if status.next_due_at is not None:
+        lines.append(("next try", status.next_due_at.isoformat()))
+    if status.where:
+        lines.append(("held by", status.where))
+    if status.trace_id:
+        lines.append(("trace id", status.trace_id))
+    lines.append(("detail", status.detail))
+    width = max(len(label) for label, _ in lines)
+    return "\n".join(f"{label.ljust(width)}  {value}" for label, value in lines)
+
+
+def _list(args: argparse.Namespace) -> int:
+    with connect(args, autocommit=True) as conn:
+        rows = list_jobs(conn, args.schema, state=args.state, actor=args.actor, queue=args.queue, limit=args.limit)
+    if args.json:
+        output.print_json([row.asdict() for row in rows])
+        return ExitCode.OK
+    if not rows:
+        print(f"no {args.state} jobs")
+        return ExitCode.OK
+    output.print_table(
+        ["MESSAGE", "ACTOR", "QUEUE", "ATTEMPTS", "SINCE", "ERROR"],
+        [
+            [
+                row.message_id,
+                row.actor_name,
+                row.queue_name,
+                str(row.attempts),
+                output.ago(row.since),
+                f"{row.error_type}: {row.error_message}" if row.error_type else row.error_message,
+            ]
+            for row in rows
+        ],
+        right=(3,),
+        fit_last=True,
+    )
+    return ExitCode.OK
 
 
 def _cancel(args: argparse.Namespace) -> int:

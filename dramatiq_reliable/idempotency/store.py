@@ -23,7 +23,8 @@ from .. import _sql, events
 from .._checks import check_int, check_ms
 from ..classify import is_connection_failure
 from ..database import Database, DatabaseLike
-from ..schema import IDEMPOTENCY_VERSION, ensure_ready
+from ..jobs.attempts import purge_attempts
+from ..schema import IDEMPOTENCY_VERSION, JOBS_VERSION, current_version, ensure_ready
 from ._connections import autocommit
 from .events import IdempotencyKeysPurged
 from .protocol import StoredKey
@@ -75,6 +76,8 @@ def purge_expired(database: DatabaseLike, *, schema: str = _sql.DEFAULT_SCHEMA, 
 
     Each batch is its own short transaction, so a large backlog never holds long locks.  The
     ``dramatiq-reliable idempotency purge`` command and :func:`make_purge_actor` call this.
+    Expired failure records (``job_attempts``, see :mod:`dramatiq_reliable.jobs.attempts`) go
+    in the same pass, on a schema migrated far enough to have them; they are not counted.
     """
     schema_name = _sql.validate_schema(schema)
     check_int("batch_size", batch_size, minimum=1, fix="e.g. batch_size=5000")
@@ -96,6 +99,8 @@ def purge_expired(database: DatabaseLike, *, schema: str = _sql.DEFAULT_SCHEMA, 
                 total += deleted
                 if deleted < batch_size:
                     break
+            if (current_version(conn, schema=schema_name) or 0) >= JOBS_VERSION:
+                purge_attempts(conn, schema_name, batch_size=batch_size)
     events.emit(IdempotencyKeysPurged(total, schema_name, (time.perf_counter() - started) * 1000))
     return total
 

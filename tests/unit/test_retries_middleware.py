@@ -552,6 +552,8 @@ def test_a_failing_on_retry_exhausted_callback_keeps_the_exhausted_record(caplog
         ({"consumer_timeout_ms": 0}, "0"),
         ({"rules": ["nope"]}, "'nope'"),
         ({"testing": "yes"}, "'yes'"),
+        ({"record_failures": 1}, "1"),
+        ({"failure_retention_ms": 0}, "0"),
     ],
 )
 def test_bad_arguments_are_rejected_with_the_value_and_the_fix(kwargs: dict[str, Any], shown: str) -> None:
@@ -667,3 +669,15 @@ def test_a_worker_on_a_wrong_middleware_list_complains(caplog: pytest.LogCapture
     with caplog.at_level(logging.CRITICAL, logger="dramatiq_reliable.retries"):
         retries.before_worker_boot(broker, Worker(broker))
     assert "dramatiq's Retries" in caplog.text
+
+
+def test_the_failure_record_is_skipped_on_a_broker_without_postgres() -> None:
+    """A StubBroker or RabbitmqBroker has no job_attempts table: record_failure does nothing, raises nothing."""
+    from dramatiq.broker import MessageProxy
+    from dramatiq.brokers.stub import StubBroker
+    from dramatiq.message import Message
+
+    from dramatiq_reliable.jobs.attempts import record_failure
+
+    message = MessageProxy(Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={}))
+    assert record_failure(StubBroker(), message, RuntimeError("x"), {"attempt": 1, "outcome": "retry"}) is False
