@@ -32,6 +32,7 @@ from .._checks import check_ms
 from .._tcp import DEFAULT_TCP_USER_TIMEOUT_MS, bound_tcp, check_tcp_user_timeout_ms
 from ..backing import SendsTo
 from ..database import DatabaseLike
+from ..dedupe import DedupeOptions
 from ..errors import PayloadError, SchemaNotReady
 from ..joining import join_until_empty
 from ..sending import DEFAULT_PAYLOAD_LIMIT_BYTES, Row, RowSending, TrackProcessing, Unbound
@@ -180,6 +181,7 @@ class OutboxBroker(SpreadsOverNodes, DeclaresQueues, RowSending, RabbitmqBroker)
         bound_tcp(self.parameters, tcp_user_timeout_ms=tcp_user_timeout_ms)
         self.consumer_timeout_ms = check_ms("consumer_timeout_ms", consumer_timeout_ms, minimum=1)
         TrackProcessing.install(self)
+        DedupeOptions.install(self)
 
     def declare_actor(self, actor: Any) -> None:
         super().declare_actor(actor)

@@ -23,11 +23,12 @@ from dramatiq.errors import QueueNotFound
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware, Retries
 
-from .. import _sql, schema
+from .. import _sql, dedupe, schema
 from .._checks import check_int, check_ms
 from ..backing import SendsTo
 from ..binding import bound_connection
 from ..database import DatabaseLike
+from ..dedupe import DedupeOptions
 from ..errors import ConfigurationError, SchemaNotReady
 from ..joining import join_until_empty
 from ..retries import ClassifiedRetries
@@ -161,6 +162,7 @@ class PostgresBroker(RowSending, Broker):
         # before the retry middleware (its after-hook runs after the retry decision and before
         # Idempotency commits the job's transaction).
         TrackProcessing.install(self)
+        DedupeOptions.install(self)
         retries = [m for m in self.middleware if isinstance(m, (Retries, ClassifiedRetries))]
         if retries:
             self.add_middleware(AckInJobTransaction(), before=type(retries[-1]))
@@ -249,6 +251,7 @@ class PostgresBroker(RowSending, Broker):
 
     def _housekeeping(self, conn: psycopg.Connection[Any]) -> None:
         retention.purge_dead(conn, schema=self.schema, older_than_ms=self.dead_message_ttl_ms)
+        dedupe.purge_on(conn, self.schema)
 
     # -- sending ---------------------------------------------------------------------------------
 
