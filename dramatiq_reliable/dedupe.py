@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import dramatiq
@@ -33,6 +34,7 @@ from dramatiq.broker import Broker
 from dramatiq.errors import ActorNotFound
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware
+from psycopg import sql
 from psycopg.rows import dict_row
 
 from . import _sql
@@ -144,28 +146,22 @@ def dedupe_of(broker: Broker, message: Message[Any]) -> tuple[str, int] | None:
     return key, window
 
 
-def claim(conn: psycopg.Connection[Any], schema: str, message: Message[Any], key: str, window_ms: int) -> str:
-    """Take ``key`` for ``message`` in ``conn``'s transaction; the id of the message that holds it.
+def insert_row(
+    conn: psycopg.Connection[Any], statement: bytes | sql.Composed, row: Mapping[str, Any], key: str, window_ms: int
+) -> str:
+    """Run a broker's ``*_insert_dedupe.sql``: take ``key`` and write ``row`` in one round trip.
 
-    It is ``message``'s own id when the key was free, expired, or already this message's (a
-    send tried again after a failed commit): the caller writes the row.  Another id means a
-    duplicate: the caller writes nothing.
+    Returns the id of the message that holds the key: ``row``'s own when the key was free,
+    expired, or already this message's (a send tried again after a failed commit), and the row
+    was written; another id means a duplicate, and nothing was written.
     """
-    row = (
+    found = (
         conn.cursor(row_factory=dict_row)
-        .execute(
-            _sql.query("dedupe_claim", schema),
-            {
-                "actor_name": message.actor_name,
-                "dedupe_key": key,
-                "message_id": message.message_id,
-                "window_ms": window_ms,
-            },
-        )
+        .execute(statement, {**row, "dedupe_key": key, "window_ms": window_ms})
         .fetchone()
     )
-    assert row is not None  # INSERT ... ON CONFLICT DO UPDATE returns its row
-    return str(row["message_id"])
+    assert found is not None  # INSERT ... ON CONFLICT DO UPDATE returns its row
+    return str(found["message_id"])
 
 
 def purge_dedupe_keys(database: DatabaseLike, *, schema: str = _sql.DEFAULT_SCHEMA, batch_size: int = 5000) -> int:

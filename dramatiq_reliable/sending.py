@@ -304,6 +304,10 @@ class RowSending:
     def _insert(self, conn: psycopg.Connection[Any], row: Row) -> None:
         raise NotImplementedError
 
+    def _insert_deduped(self, conn: psycopg.Connection[Any], row: Row, key: str, window_ms: int) -> str:
+        """Write the row unless another message holds ``key`` (see :func:`dramatiq_reliable.dedupe.insert_row`)."""
+        raise NotImplementedError
+
     def _write_held(self, conn: psycopg.Connection[Any], message: Message[Any], row: Row) -> bool:
         """Write a worker's send of the message it holds some other way (True: done)."""
         return False
@@ -391,13 +395,8 @@ class RowSending:
             if dedupe is None:
                 self._insert(conn, row)
                 return message.message_id
-            # The key and the row commit together (an autocommit connection gets a transaction
-            # of its own): a key never names a message that was not written.
-            with conn.transaction() if conn.autocommit else contextlib.nullcontext():
-                first = _dedupe.claim(conn, self.schema, message, *dedupe)
-                if first == message.message_id:
-                    self._insert(conn, row)
-                return first
+            # One statement: the key and the row commit together, in autocommit too.
+            return self._insert_deduped(conn, row, *dedupe)
         except psycopg.errors.UndefinedTable as error:
             self._checked_schema = False
             raise SchemaNotReady(

@@ -27,7 +27,7 @@ from dramatiq.middleware import Middleware
 from dramatiq.worker import ConsumerThread
 from psycopg.rows import dict_row
 
-from .. import _sql, schema
+from .. import _sql, dedupe, schema
 from .._checks import check_ms
 from .._tcp import DEFAULT_TCP_USER_TIMEOUT_MS, bound_tcp, check_tcp_user_timeout_ms
 from ..backing import SendsTo
@@ -238,7 +238,10 @@ class OutboxBroker(SpreadsOverNodes, DeclaresQueues, RowSending, RabbitmqBroker)
         return row
 
     def _insert(self, conn: psycopg.Connection[Any], row: Row) -> None:
-        conn.execute(_sql.query("outbox_insert", self.schema), row)
+        conn.execute(_sql.rendered("outbox_insert", self.schema), row)
+
+    def _insert_deduped(self, conn: psycopg.Connection[Any], row: Row, key: str, window_ms: int) -> str:
+        return dedupe.insert_row(conn, _sql.rendered("outbox_insert_dedupe", self.schema), row, key, window_ms)
 
     # -- tests' helpers: join and flush ----------------------------------------------------------
 

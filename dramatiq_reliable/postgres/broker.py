@@ -274,6 +274,10 @@ class PostgresBroker(RowSending, Broker):
             eta_ms=row["eta_ms"],
         )
 
+    def _insert_deduped(self, conn: psycopg.Connection[Any], row: Row, key: str, window_ms: int) -> str:
+        params = {**row, "priority": row["priority"] or 0}
+        return dedupe.insert_row(conn, _sql.rendered("queue_insert_dedupe", self.schema), params, key, window_ms)
+
     def _held(self, message: Message[Any], row: Row) -> PostgresMessage | None:
         """The queue row this worker thread holds, when ``message`` is its retry."""
         held = processing_message()
