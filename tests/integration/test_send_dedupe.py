@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from dramatiq_reliable import ActorOptionError, OutboxBroker, PayloadError, PostgresBroker
+from dramatiq_reliable import ActorOptionError, OutboxBroker, PayloadError, PostgresBroker, WorkerRelay
 from dramatiq_reliable.dedupe import MAX_DEDUPE_KEY_BYTES, purge_dedupe_keys
 from dramatiq_reliable.testing import wait_for
 
@@ -272,3 +272,46 @@ def test_bad_actor_options_are_refused_at_declaration_and_a_failing_key_function
     task_returning_int = _actor(row_broker, lambda order_id: None, dedupe_key=lambda order_id: order_id)
     with pytest.raises(PayloadError, match="not a non-empty string"):
         task_returning_int.send(1)
+
+
+def test_a_workers_retry_is_sent_even_after_its_key_passed_to_another_message(
+    broker: OutboxBroker, queue_name: str, worker: dramatiq.Worker, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    attempts: list[int] = []
+
+    def flaky(n: int) -> None:
+        attempts.append(n)
+        if attempts == [1]:
+            # The key expires and another send takes it over before the retry is sent.
+            _expire_keys(db, db_schema)
+            task.send(2)
+            raise RuntimeError("first attempt fails")
+
+    task = dramatiq.actor(
+        flaky,
+        actor_name=f"dd_{uuid.uuid4().hex[:8]}",
+        queue_name=queue_name,
+        broker=broker,
+        dedupe_key=lambda n: "order-42",
+        min_backoff=10,
+        max_backoff=20,
+    )
+    broker.add_middleware(WorkerRelay(poll_interval_ms=50))
+    worker.start()
+    task.send(1)
+    wait_for(
+        lambda: sorted(attempts) == [1, 1, 2], timeout_ms=20000, message="the retry of the first message never ran"
+    )
+
+
+def test_postgres_brokers_housekeeping_purges_expired_keys(
+    pg_broker: PostgresBroker, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    task = _actor(pg_broker)
+    task.send_with_options(dedupe_key="old")
+    _expire_keys(db, db_schema)
+    task.send_with_options(dedupe_key="live")
+    with pg_broker.database.autocommit() as conn:
+        pg_broker._housekeeping(conn)
+    keys = db.execute(sql.SQL("SELECT dedupe_key FROM {}.send_dedupe").format(sql.Identifier(db_schema))).fetchall()
+    assert keys == [("live",)]
