@@ -89,8 +89,15 @@ class DedupeOptions(Middleware):
 
     @staticmethod
     def install(broker: Broker) -> None:
-        """Add the options to ``broker`` unless they are there."""
-        if not any(isinstance(m, DedupeOptions) for m in broker.middleware):
+        """Add the options at the front of ``broker``'s middleware unless they are there.
+
+        At the front, not the end: middleware whose place matters (the retries last) keep it.
+        """
+        if any(isinstance(m, DedupeOptions) for m in broker.middleware):
+            return
+        if broker.middleware:
+            broker.add_middleware(DedupeOptions(), before=type(broker.middleware[0]))
+        else:
             broker.add_middleware(DedupeOptions())
 
 

@@ -180,8 +180,8 @@ class OutboxBroker(SpreadsOverNodes, DeclaresQueues, RowSending, RabbitmqBroker)
         # Dramatiq's consumers connect with these parameters too, so this bounds the workers.
         bound_tcp(self.parameters, tcp_user_timeout_ms=tcp_user_timeout_ms)
         self.consumer_timeout_ms = check_ms("consumer_timeout_ms", consumer_timeout_ms, minimum=1)
-        TrackProcessing.install(self)
         DedupeOptions.install(self)
+        TrackProcessing.install(self)
 
     def declare_actor(self, actor: Any) -> None:
         super().declare_actor(actor)

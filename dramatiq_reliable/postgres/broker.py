@@ -161,8 +161,8 @@ class PostgresBroker(RowSending, Broker):
         # The tracker comes first (its before-hook runs before any other), the settler right
         # before the retry middleware (its after-hook runs after the retry decision and before
         # Idempotency commits the job's transaction).
-        TrackProcessing.install(self)
         DedupeOptions.install(self)
+        TrackProcessing.install(self)
         retries = [m for m in self.middleware if isinstance(m, (Retries, ClassifiedRetries))]
         if retries:
             self.add_middleware(AckInJobTransaction(), before=type(retries[-1]))
