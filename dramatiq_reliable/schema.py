@@ -29,6 +29,7 @@ from .errors import SchemaNotReady
 __all__ = [
     "CANCEL_VERSION",
     "DEAD_LETTERS_VERSION",
+    "DEDUPE_VERSION",
     "IDEMPOTENCY_VERSION",
     "JOBS_VERSION",
     "LATEST_VERSION",
@@ -59,7 +60,9 @@ SCHEDULER_VERSION = 5
 LONG_JOBS_VERSION = 9
 # The failure record (job_attempts) and the message-id indexes `jobs show` reads: created by 10.
 JOBS_VERSION = 10
-# Cancellations (jobs cancel, the Cancellation middleware) (the message-id indexes come with 10 and 12): created by 12.
+# Dedupe at enqueue (the send_dedupe table): created by 11.
+DEDUPE_VERSION = 11
+# Cancellations (jobs cancel, the Cancellation middleware): created by 12.
 CANCEL_VERSION = 12
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
@@ -90,7 +93,7 @@ def migrations() -> tuple[Migration, ...]:
     return tuple(found)
 
 
-LATEST_VERSION = len(migrations())
+LATEST_VERSION = migrations()[-1].version
 
 
 def migration_sql(*, schema: str = _sql.DEFAULT_SCHEMA, since: int = 0) -> str:

@@ -15,6 +15,9 @@ else a send does is here, once:
   for ``worker_write_timeout_ms`` while Postgres is unreachable.  If they still cannot write,
   the message being processed is not acked away with its follow-up lost: each broker keeps it
   (``OutboxBroker`` fails it into RabbitMQ's ``.XQ``, ``PostgresBroker`` leaves it to its lease).
+* **Dedupe at enqueue.**  A send with a ``dedupe_key`` (message or actor option) takes the key
+  in the same transaction as its row; a duplicate inside the window writes nothing and
+  returns the first message's id (see :mod:`dramatiq_reliable.dedupe`).
 * **Middleware** see ``before_enqueue`` and ``after_enqueue`` around the write and, when it
   fails, ``after_enqueue_failed(broker, message, delay, *, exception)`` if they define it
   (Dramatiq has no such signal; ``Tracing`` closes its span there).
@@ -40,6 +43,7 @@ from dramatiq.worker import WorkerThread
 from psycopg_pool import PoolTimeout
 
 from . import _sql
+from . import dedupe as _dedupe
 from . import schema as _schema
 from ._checks import check_choice, check_int, check_ms
 from ._util import first_line, redact
@@ -171,6 +175,7 @@ class RowSending:
     max_payload_bytes: int | None
     payload_limit_bytes: int | None
     worker_write_timeout_ms: int
+    _checked_dedupe: bool
 
     def _init_sending(
         self,
@@ -202,6 +207,7 @@ class RowSending:
         self.schema = _sql.validate_schema(schema)
         self.database = Database.of(database, max_size=pool_max_size)
         self._checked_schema = False
+        self._checked_dedupe = False
         self._check_lock = threading.Lock()
 
     # -- the caller's transaction ------------------------------------------------------------------
@@ -219,9 +225,19 @@ class RowSending:
     # -- sending -----------------------------------------------------------------------------------
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
-        """Write ``message`` as a row (see the module docstring for which transaction)."""
+        """Write ``message`` as a row (see the module docstring for which transaction).
+
+        Returns the message sent or, when its dedupe key was held, the first message's id on a
+        copy of ``message`` (nothing was written).
+        """
         broker: Broker = self  # type: ignore[assignment]
         validate_send(message, delay)
+        dedupe = _dedupe.dedupe_of(broker, message)
+        held = processing_message()
+        if held is not None and held.message_id == message.message_id:
+            # A worker's retry of the message it runs is never a duplicate: the key may have
+            # passed to a newer message since, and a retry must not be lost.
+            dedupe = None
         canonical = q_name(message.queue_name)
         if delay is not None:
             message = message.copy(queue_name=dq_name(canonical), options={"eta": current_millis() + delay})
@@ -232,11 +248,20 @@ class RowSending:
             broker.emit_before("enqueue", message, delay)
             # Encoded again: before_enqueue hooks may have added options (trace context).
             body = self.encode(message, warn=False)
-            self._write(message, self._row(message, canonical, body))
+            first = self._write(message, self._row(message, canonical, body), dedupe)
         except BaseException as error:
             self._emit_enqueue_failed(message, delay, error)
             raise
+        # after_enqueue sees the message before_enqueue saw, so hooks pair (a span ends).
         broker.emit_after("enqueue", message, delay)
+        if first != message.message_id:
+            logger.debug(
+                "message %s for actor %r is a duplicate of %s (dedupe key held); nothing written",
+                message.message_id,
+                message.actor_name,
+                first,
+            )
+            return message.copy(message_id=first)
         return message
 
     def encode(self, message: Message[Any], *, warn: bool = True) -> bytes:
@@ -279,6 +304,10 @@ class RowSending:
     def _insert(self, conn: psycopg.Connection[Any], row: Row) -> None:
         raise NotImplementedError
 
+    def _insert_deduped(self, conn: psycopg.Connection[Any], row: Row, key: str, window_ms: int) -> str:
+        """Write the row unless another message holds ``key`` (see :func:`dramatiq_reliable.dedupe.insert_row`)."""
+        raise NotImplementedError
+
     def _write_held(self, conn: psycopg.Connection[Any], message: Message[Any], row: Row) -> bool:
         """Write a worker's send of the message it holds some other way (True: done)."""
         return False
@@ -302,11 +331,11 @@ class RowSending:
                 processing.message_id,
             )
 
-    def _write(self, message: Message[Any], row: Row) -> None:
+    def _write(self, message: Message[Any], row: Row, dedupe: tuple[str, int] | None = None) -> str:
+        """Write the row; the id of the message sent (another one's when ``dedupe``'s key was held)."""
         conn = bound_connection()
         if conn is not None:
-            self._execute(conn, row)
-            return
+            return self._execute(conn, row, message, dedupe)
         in_worker = isinstance(threading.current_thread(), WorkerThread)
         if self.on_unbound == "error" and not in_worker:
             raise NotBound(
@@ -329,9 +358,8 @@ class RowSending:
                     timeout_ms=max(500, remaining_ms) if remaining_ms > 0 else None
                 ) as pooled:
                     if in_worker and self._write_held(pooled, message, row):
-                        return
-                    self._execute(pooled, row)
-                return
+                        return message.message_id
+                    return self._execute(pooled, row, message, dedupe)
             except (OutboxWriteError, PoolTimeout, psycopg.OperationalError) as error:
                 cause = error.__cause__ if isinstance(error, OutboxWriteError) else error
                 transient = isinstance(cause, (psycopg.OperationalError, PoolTimeout))
@@ -352,11 +380,23 @@ class RowSending:
                     time.sleep(pause)
                     pause = min(pause * 2, 2.0)
 
-    def _execute(self, conn: psycopg.Connection[Any], row: Row) -> None:
+    def _execute(
+        self,
+        conn: psycopg.Connection[Any],
+        row: Row,
+        message: Message[Any],
+        dedupe: tuple[str, int] | None,
+    ) -> str:
         if not self._checked_schema:
             self._check_schema(conn)
+        if dedupe is not None:
+            self._check_dedupe_schema(conn)
         try:
-            self._insert(conn, row)
+            if dedupe is None:
+                self._insert(conn, row)
+                return message.message_id
+            # One statement: the key and the row commit together, in autocommit too.
+            return self._insert_deduped(conn, row, *dedupe)
         except psycopg.errors.UndefinedTable as error:
             self._checked_schema = False
             raise SchemaNotReady(
@@ -364,6 +404,19 @@ class RowSending:
             ) from error
         except psycopg.Error as error:
             raise self._write_error(row, error) from error
+
+    def _check_dedupe_schema(self, conn: psycopg.Connection[Any]) -> None:
+        if self._checked_dedupe:
+            return
+        with self._check_lock:
+            try:
+                _schema.ensure_ready(conn, schema=self.schema, required=_schema.DEDUPE_VERSION, feature="send dedupe")
+            except psycopg.Error as error:
+                raise OutboxWriteError(
+                    f"could not check the send dedupe schema {self.schema!r}: {type(error).__name__}: "
+                    f"{redact(first_line(error))}; check the database connection"
+                ) from error
+            self._checked_dedupe = True
 
     def _write_error(self, row: Row, error: BaseException) -> OutboxWriteError:
         return OutboxWriteError(

@@ -27,11 +27,12 @@ from dramatiq.middleware import Middleware
 from dramatiq.worker import ConsumerThread
 from psycopg.rows import dict_row
 
-from .. import _sql, schema
+from .. import _sql, dedupe, schema
 from .._checks import check_ms
 from .._tcp import DEFAULT_TCP_USER_TIMEOUT_MS, bound_tcp, check_tcp_user_timeout_ms
 from ..backing import SendsTo
 from ..database import DatabaseLike
+from ..dedupe import DedupeOptions
 from ..errors import PayloadError, SchemaNotReady
 from ..joining import join_until_empty
 from ..sending import DEFAULT_PAYLOAD_LIMIT_BYTES, Row, RowSending, TrackProcessing, Unbound
@@ -179,6 +180,7 @@ class OutboxBroker(SpreadsOverNodes, DeclaresQueues, RowSending, RabbitmqBroker)
         # Dramatiq's consumers connect with these parameters too, so this bounds the workers.
         bound_tcp(self.parameters, tcp_user_timeout_ms=tcp_user_timeout_ms)
         self.consumer_timeout_ms = check_ms("consumer_timeout_ms", consumer_timeout_ms, minimum=1)
+        DedupeOptions.install(self)
         TrackProcessing.install(self)
 
     def declare_actor(self, actor: Any) -> None:
@@ -236,7 +238,10 @@ class OutboxBroker(SpreadsOverNodes, DeclaresQueues, RowSending, RabbitmqBroker)
         return row
 
     def _insert(self, conn: psycopg.Connection[Any], row: Row) -> None:
-        conn.execute(_sql.query("outbox_insert", self.schema), row)
+        conn.execute(_sql.rendered("outbox_insert", self.schema), row)
+
+    def _insert_deduped(self, conn: psycopg.Connection[Any], row: Row, key: str, window_ms: int) -> str:
+        return dedupe.insert_row(conn, _sql.rendered("outbox_insert_dedupe", self.schema), row, key, window_ms)
 
     # -- tests' helpers: join and flush ----------------------------------------------------------
 

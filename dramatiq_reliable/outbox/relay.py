@@ -44,6 +44,7 @@ from .._util import first_line as _first_line
 from .._util import redact
 from ..backing import postgres_backed
 from ..database import Database, DatabaseLike
+from ..dedupe import purge_dedupe_keys
 from ..errors import BrokerUnavailable, ConfigurationError, SchemaNotReady
 from . import wake
 from .events import OutboxBatchPublished, OutboxBrokerUnavailable, OutboxPublished, OutboxRowFailed, RelayedMessage
@@ -559,6 +560,7 @@ class Relay:
                     failures = 0
                     if self.retention_ms is not None and time.monotonic() >= next_purge:
                         self.purge()
+                        purge_dedupe_keys(self.database, schema=self.schema)
                         next_purge = time.monotonic() + self.purge_interval_s
                     published += self.reaper.if_due()  # requeued rows are published on the next pass
                     if published:

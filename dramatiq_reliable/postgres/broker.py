@@ -23,11 +23,12 @@ from dramatiq.errors import QueueNotFound
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware, Retries
 
-from .. import _sql, schema
+from .. import _sql, dedupe, schema
 from .._checks import check_int, check_ms
 from ..backing import SendsTo
 from ..binding import bound_connection
 from ..database import DatabaseLike
+from ..dedupe import DedupeOptions
 from ..errors import ConfigurationError, SchemaNotReady
 from ..joining import join_until_empty
 from ..retries import ClassifiedRetries
@@ -160,6 +161,7 @@ class PostgresBroker(RowSending, Broker):
         # The tracker comes first (its before-hook runs before any other), the settler right
         # before the retry middleware (its after-hook runs after the retry decision and before
         # Idempotency commits the job's transaction).
+        DedupeOptions.install(self)
         TrackProcessing.install(self)
         retries = [m for m in self.middleware if isinstance(m, (Retries, ClassifiedRetries))]
         if retries:
@@ -249,6 +251,7 @@ class PostgresBroker(RowSending, Broker):
 
     def _housekeeping(self, conn: psycopg.Connection[Any]) -> None:
         retention.purge_dead(conn, schema=self.schema, older_than_ms=self.dead_message_ttl_ms)
+        dedupe.purge_on(conn, self.schema)
 
     # -- sending ---------------------------------------------------------------------------------
 
@@ -270,6 +273,10 @@ class PostgresBroker(RowSending, Broker):
             priority=row["priority"] or 0,
             eta_ms=row["eta_ms"],
         )
+
+    def _insert_deduped(self, conn: psycopg.Connection[Any], row: Row, key: str, window_ms: int) -> str:
+        params = {**row, "priority": row["priority"] or 0}
+        return dedupe.insert_row(conn, _sql.rendered("queue_insert_dedupe", self.schema), params, key, window_ms)
 
     def _held(self, message: Message[Any], row: Row) -> PostgresMessage | None:
         """The queue row this worker thread holds, when ``message`` is its retry."""

@@ -62,7 +62,7 @@ def insert(
     eta_ms: int | None,
 ) -> None:
     conn.execute(
-        _sql.query("queue_insert", schema),
+        _sql.rendered("queue_insert", schema),
         {
             "queue_name": queue_name,
             "message_id": message_id,

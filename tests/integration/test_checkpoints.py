@@ -208,7 +208,9 @@ def test_migration_7_keeps_the_watermarks_and_code_before_it_keeps_working(datab
         psycopg.connect(database_url) as conn,
     ):
         _open_on(conn, unmigrated_schema, transactions=True)
-    assert schema.migrate(database_url, schema=unmigrated_schema) == list(range(7, schema.LATEST_VERSION + 1))
+    assert schema.migrate(database_url, schema=unmigrated_schema) == [
+        m.version for m in schema.migrations() if m.version >= 7
+    ]
     assert _run(database_url, unmigrated_schema, "ids", 0) == (7, None)
     assert _run(database_url, unmigrated_schema, "stamps", T0)[0] == T0
     with psycopg.connect(database_url) as conn:

@@ -62,7 +62,9 @@ def test_migrating_a_version_5_schema_removes_the_old_notify_trigger(database_ur
     assert schema.current_version(db, schema=unmigrated_schema) == 5
     assert _outbox_triggers(db, unmigrated_schema) == ["outbox_notify"]
 
-    assert schema.migrate(database_url, schema=unmigrated_schema) == list(range(6, schema.LATEST_VERSION + 1))
+    assert schema.migrate(database_url, schema=unmigrated_schema) == [
+        m.version for m in schema.migrations() if m.version >= 6
+    ]
     assert _outbox_triggers(db, unmigrated_schema) == []
     assert _notify_function(db, unmigrated_schema) == 0
 

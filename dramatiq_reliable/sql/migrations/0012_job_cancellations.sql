@@ -23,8 +23,6 @@ CREATE TABLE {schema}.job_cancellations (
     )
 );
 
--- Cancel (and a look-up by id) finds a job by its message id in each table that may hold it.
--- IF NOT EXISTS: the job look-up migration may create the same indexes under the same names.
-CREATE INDEX IF NOT EXISTS outbox_message_id ON {schema}.outbox (message_id);
-CREATE INDEX IF NOT EXISTS queue_message_id ON {schema}.queue (message_id);
-CREATE INDEX IF NOT EXISTS processed_jobs_message_id ON {schema}.processed_jobs (message_id);
+-- Cancel finds a job by its message id in each table that may hold it: the outbox and the
+-- queue table are indexed by migration 10; a finished job is told by its processed-job key.
+CREATE INDEX processed_jobs_message_id ON {schema}.processed_jobs (message_id);
