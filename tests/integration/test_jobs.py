@@ -208,10 +208,10 @@ def test_expired_failure_records_are_purged_with_the_expired_keys(rig: Rig, data
     assert _records(rig) == [("fresh", 1)]
 
 
+# PostgresBroker only: a RabbitMQ delivery leaves no row in Postgres unless LongJobs leases it.
+@pytest.mark.parametrize("rig", ["postgres"], indirect=True)
 def test_a_job_a_postgres_broker_worker_holds_is_running(rig: Rig, qname: str, start: Any) -> None:
     """PostgresBroker leases the row it hands a worker; an OutboxBroker job says so only under LongJobs."""
-    if rig.kind != "postgres":
-        pytest.skip("a RabbitMQ delivery leaves no row in Postgres unless LongJobs leases it")
     started, release = threading.Event(), threading.Event()
 
     @dramatiq.actor(queue_name=qname, actor_name=f"{qname}_slow")
