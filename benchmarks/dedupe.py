@@ -102,7 +102,11 @@ def truncate(conn: psycopg.Connection[Any], schema: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    print(json.dumps(measure(parse_args(argv))), flush=True)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every broker's rates and ratios (``benchmarks/job_lifecycle.py`` runs this too)."""
     schema = f"bench_dedupe_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
         migrate(conn, schema=schema)
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         result[f"dedupe_send_ratio{suffix}"] = round(statistics.median(ratios[name]), 3)
         for scenario in SCENARIOS:
             result[f"{scenario}_sends_per_s{suffix}"] = round(statistics.median(rates[name][scenario]), 1)
-    print(json.dumps(result), flush=True)
+    return result
 
 
 if __name__ == "__main__":

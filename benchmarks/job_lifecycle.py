@@ -14,6 +14,9 @@
    published outbox row knows (every reader runs: the slowest answer), of an idempotency key,
    and of an unknown id.  The issue's figure is 1M rows a table (``--rows 1000000``); loading it
    takes minutes here, so the default is 100k.
+3. ``dedupe_send_ratio``: committed sends with a dedupe key against the same sends without, on
+   ``OutboxBroker`` (and ``_queue`` on ``PostgresBroker``): ``benchmarks/dedupe.py``'s run with
+   its defaults, whose docstring says how (target >= 0.9).
 
 The last line printed is one JSON object.
 """
@@ -31,6 +34,8 @@ from typing import Any
 
 import dramatiq
 import psycopg
+from dedupe import measure as measure_dedupe
+from dedupe import parse_args as dedupe_args
 from psycopg import sql
 
 from dramatiq_reliable import ClassifiedRetries, Idempotency, PostgresBroker, build_middleware, migrate, show_job
@@ -160,6 +165,7 @@ def main() -> None:
             log(f"round {round_number + 1}: record_failures {label}: {rate:.0f} jobs/s")
     on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
     shown = show_timings(rows=args.rows, lookups=args.lookups)
+    deduped = measure_dedupe(dedupe_args([]))
     result = {
         "failure_record_ratio": round(on / off, 3),
         "rate_record_on": round(on, 1),
@@ -168,6 +174,8 @@ def main() -> None:
         "rates_off": [round(rate, 1) for rate in rates["off"]],
         "show_ms": shown["published"]["median_ms"],
         "show": shown,
+        "dedupe_send_ratio": deduped["dedupe_send_ratio"],
+        "dedupe": deduped,
         "rows_per_table": args.rows,
         "jobs": args.jobs,
         "threads": THREADS,
