@@ -32,7 +32,7 @@ def register(
     subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
     parents: Sequence[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
-    """Add ``jobs show`` and ``jobs list``; ``parents`` supply ``--database-url`` and ``--schema``."""
+    """Add ``jobs show``, ``jobs list`` and ``jobs cancel``; ``parents`` supply ``--database-url`` and ``--schema``."""
     parser = subparsers.add_parser(
         "jobs",
         help="look jobs up by id, list them by state, cancel one",
