@@ -35,7 +35,7 @@ from ..errors import ActorOptionError, DatabaseUnavailable, MiddlewareFailed, Sc
 from ..schema import RATE_LIMITS_VERSION, ensure_ready
 from .rate_limit import MAX_KEY_CHARS, RateLimit, Registry, Take, pause, paused_ms, take
 
-__all__ = ["POSTPONED_KEY", "SLOT_KEY", "RateLimitPaused", "RateLimitPostponed", "RateLimits"]
+__all__ = ["RateLimitPaused", "RateLimitPostponed", "RateLimits"]
 
 logger = logging.getLogger("dramatiq_reliable.rate_limits")
 
@@ -157,7 +157,9 @@ class RateLimits(Middleware):
             )
         return limit
 
-    def key_for(self, actor: dramatiq.Actor[Any, Any], message: Message[Any] | MessageProxy) -> tuple[RateLimit, str] | None:
+    def key_for(
+        self, actor: dramatiq.Actor[Any, Any], message: Message[Any] | MessageProxy
+    ) -> tuple[RateLimit, str] | None:
         """The limit and key of ``message``, or ``None`` when its actor is not limited.
 
         Raises :class:`ActorOptionError` when the key function raises or gives no usable key.

@@ -33,17 +33,8 @@ from .. import _sql
 from .._checks import check_int, check_ms, check_text
 from ..errors import ConfigurationError
 
-__all__ = [
-    "DEFAULT_PAUSE_MS",
-    "MAX_KEY_CHARS",
-    "KeyState",
-    "RateLimit",
-    "Take",
-    "limited_keys",
-    "pause",
-    "paused_ms",
-    "take",
-]
+# take, pause and paused_ms are the middleware's: public here are the limit and what status shows.
+__all__ = ["KeyState", "RateLimit", "limited_keys"]
 
 #: The longest key, limiter name and suffix together: keys are built from names and IDs.
 MAX_KEY_CHARS = 500
@@ -117,7 +108,7 @@ class RateLimit:
     def interval_ms(self) -> float:
         """Milliseconds between two tokens at the declared rate."""
         for name, period_ms in _PERIODS_MS.items():
-            count = getattr(self, name)
+            count: int | None = getattr(self, name)
             if count is not None:
                 return period_ms / count
         raise AssertionError("checked in __post_init__")  # pragma: no cover
@@ -133,7 +124,9 @@ class Registry:
 
     def add(self, limit: RateLimit) -> RateLimit:
         if not isinstance(limit, RateLimit):
-            raise ConfigurationError(f"limits must hold RateLimit objects, got {limit!r}; e.g. RateLimit('x', per_second=5)")
+            raise ConfigurationError(
+                f"limits must hold RateLimit objects, got {limit!r}; e.g. RateLimit('x', per_second=5)"
+            )
         known = self._limits.get(limit.name)
         if known is not None and known != limit:
             raise ConfigurationError(

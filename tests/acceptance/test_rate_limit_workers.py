@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,7 +59,9 @@ def workers(database_url: str, db_schema: str) -> Iterator[tuple[str, list[subpr
 
 
 def _send(broker: PostgresBroker, queue: str, numbers: range) -> None:
-    task = broker.actors.get("call") or dramatiq.actor(lambda n: None, actor_name="call", queue_name=queue, broker=broker)
+    task = broker.actors.get("call") or dramatiq.actor(
+        lambda n: None, actor_name="call", queue_name=queue, broker=broker
+    )
     with broker.transaction():
         for n in numbers:
             task.send(n)
