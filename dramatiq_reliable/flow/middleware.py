@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any, cast
 
 import dramatiq
 import psycopg
 from dramatiq.broker import Broker, MessageProxy
-from dramatiq.common import current_millis
 from dramatiq.errors import ActorNotFound
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware, SkipMessage
@@ -33,7 +33,7 @@ from ..classify import DEFAULT_MAX_RETRY_AFTER_MS, exception_chain, http_status_
 from ..database import Database, DatabaseLike
 from ..errors import ActorOptionError, DatabaseUnavailable, MiddlewareFailed, SchemaNotReady
 from ..schema import RATE_LIMITS_VERSION, ensure_ready
-from .rate_limit import MAX_KEY_CHARS, RateLimit, Registry, Take, pause, paused_ms, take
+from .rate_limit import MAX_KEY_CHARS, RateLimit, Registry, Take, pause, slot_ahead, take
 
 __all__ = ["RateLimitPaused", "RateLimitPostponed", "RateLimits"]
 
@@ -43,8 +43,11 @@ logger = logging.getLogger("dramatiq_reliable.rate_limits")
 SLOT_KEY = "rate_limit_slot"
 #: The message option counting postponements: kept apart from ``retries`` (and ``max_retries``).
 POSTPONED_KEY = "rate_limit_postponed"
-#: A reserved slot this close ahead is run now: the broker's clock and Postgres' differ a little.
-_EARLY_MS = 5
+#: How late after its slot a job back with a reserved token may still call (at least one step
+#: of its limit): later, it would call together with the jobs of the next slots.
+_LATE_MS = 10
+#: The default of ``hold_ms``: see :class:`RateLimits`.
+DEFAULT_HOLD_MS = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +93,11 @@ class RateLimits(Middleware):
         ``PostgresBroker`` to share theirs.
       max_pause_ms: the longest ``Retry-After`` that pauses a key (default 15 minutes, the
         retries' cap); a longer one pauses it this long.
+      hold_ms: a token due within this many ms is waited for in the worker thread (default
+        200); a later one postpones the job through the queue to ``hold_ms`` before its token,
+        and the thread waits out the rest.  Consumers find a due message only when they poll
+        (``worker_timeout``), so without the wait in place calls would start up to a poll late
+        and bunch.  ``hold_ms=0`` never holds a thread; calls may then bunch by one poll.
 
     Postgres unreachable while taking a token fails closed: the actor does not run and
     ``DatabaseUnavailable`` lets the retry middleware retry it.  Put it after ``Singleton`` and
@@ -105,11 +113,13 @@ class RateLimits(Middleware):
         database: DatabaseLike | None = None,
         schema: str | None = None,
         max_pause_ms: int = DEFAULT_MAX_RETRY_AFTER_MS,
+        hold_ms: int = DEFAULT_HOLD_MS,
     ) -> None:
         if isinstance(limits, RateLimit):
             limits = [limits]
         self.limits = Registry(limits)
         self.max_pause_ms = check_ms("max_pause_ms", max_pause_ms, minimum=1, fix="e.g. max_pause_ms=900_000")
+        self.hold_ms = check_ms("hold_ms", hold_ms, maximum=10_000, fix="e.g. hold_ms=200, or 0 never to wait in place")
         self._own_database = Database.of(database) if database is not None else None
         self._schema = schema
         self._target: tuple[Database, str] | None = None
@@ -205,17 +215,7 @@ class RateLimits(Middleware):
                 if not self._checked:
                     ensure_ready(conn, schema=schema, required=RATE_LIMITS_VERSION, feature="rate limits")
                     self._checked = True
-                if isinstance(slot, dict) and slot.get("key") == key and is_int(slot.get("at_ms")):
-                    # A token reserved earlier: run at its time, unless a 429 came since.
-                    early = slot["at_ms"] - current_millis()
-                    if early > _EARLY_MS:
-                        got = Take(granted=False, wait_ms=early, slot_ms=slot["at_ms"], paused=False)
-                    elif not paused_ms(conn, schema, key):
-                        return
-                    else:
-                        got = take(conn, schema, limit, key)
-                else:
-                    got = take(conn, schema, limit, key)
+                got = self._reserved(conn, schema, key, slot, limit) or take(conn, schema, limit, key)
         except (psycopg.Error, OSError, TimeoutError, SchemaNotReady) as error:
             raise DatabaseUnavailable(
                 f"RateLimits could not take a token of {key!r} for message {message.message_id!r}: "
@@ -227,9 +227,39 @@ class RateLimits(Middleware):
                 f"RateLimits could not take a token of {key!r} for message {message.message_id!r}: "
                 f"{type(error).__name__}: {first_line(error)}; the actor did not run, report this as a bug"
             ) from error
-        if not got.granted:
-            # Outside the connection's block: the postponed copy is written on another one.
-            self._postpone(broker, message, key, {"key": key, "at_ms": got.slot_ms}, got.wait_ms, paused=got.paused)
+        if got.granted:
+            return
+        if got.wait_ms <= self.hold_ms:
+            # A token this close is waited for in place: a trip through the queue would come
+            # back later than the token (consumers poll for due rows), and late calls bunch.
+            time.sleep(got.wait_ms / 1000)
+            return
+        # Back hold_ms early, to wait out the rest in place (outside the connection's block: the
+        # postponed copy is written on another one).
+        self._postpone(
+            broker,
+            message,
+            key,
+            {"key": key, "at_ms": got.slot_ms},
+            got.wait_ms - self.hold_ms,
+            paused=got.paused,
+        )
+
+    def _reserved(
+        self, conn: psycopg.Connection[Any], schema: str, key: str, slot: object, limit: RateLimit
+    ) -> Take | None:
+        """The outcome for a job back with a reserved token, or ``None`` when it must take one.
+
+        It runs at its slot (waiting in place for what is left of it), unless a 429 paused the
+        key past that slot since, or it came back so late that running now would bunch with the calls of later
+        slots: then its token is lost and it takes a new one.
+        """
+        if not (isinstance(slot, dict) and slot.get("key") == key and is_int(slot.get("at_ms"))):
+            return None
+        ahead_ms, paused_ms = slot_ahead(conn, schema, key, slot["at_ms"])
+        if paused_ms > ahead_ms or ahead_ms < -max(_LATE_MS, limit.interval_ms):
+            return None
+        return Take(granted=False, wait_ms=max(0, ahead_ms), slot_ms=slot["at_ms"], paused=False)
 
     def _postpone(
         self, broker: Broker, message: MessageProxy, key: str, slot: dict[str, Any], delay_ms: int, *, paused: bool

@@ -177,10 +177,15 @@ def take(conn: psycopg.Connection[Any], schema: str, limit: RateLimit, key: str)
     )
 
 
-def paused_ms(conn: psycopg.Connection[Any], schema: str, key: str) -> int:
-    """How long ``key`` stays paused from now (0 when it is not)."""
-    row = conn.cursor(row_factory=dict_row).execute(_sql.rendered("rate_paused", schema), {"key": key}).fetchone()
-    return 0 if row is None else max(1, int(row["paused_ms"]))
+def slot_ahead(conn: psycopg.Connection[Any], schema: str, key: str, slot_ms: int) -> tuple[int, int]:
+    """``(ms until slot_ms, ms the key stays paused)`` by Postgres' clock, for a job back at its slot."""
+    row = (
+        conn.cursor(row_factory=dict_row)
+        .execute(_sql.rendered("rate_paused", schema), {"key": key, "slot_ms": slot_ms})
+        .fetchone()
+    )
+    assert row is not None  # a SELECT without FROM returns its row
+    return int(row["ahead_ms"]), max(0, int(row["paused_ms"]))
 
 
 def pause(

@@ -1,0 +1,284 @@
+"""Flow-control benchmark: a key limited across worker processes, and what the middleware costs the rest.
+
+    python benchmarks/flow_control.py [--seconds 60] [--rate 50] [--workers 4] [--threads 4]
+
+1. **Limited**: ``--workers`` worker processes (PostgresBroker, ``RateLimits``) hammer one key
+   limited at ``--rate`` per second (burst 1) with ``--rate * --seconds * 1.3`` jobs sent at
+   once.  Each job records its start in Postgres (one clock for every process).  Over the first
+   ``--seconds`` of calls: ``limit_peak_ratio`` is the most calls in any 1 s sliding window over
+   the rate, ``limit_throughput_ratio`` the calls per second achieved over the rate.
+2. **Unlimited**: ``--unlimited-jobs`` jobs of an actor with no ``rate_limit``, drained by the
+   same processes with ``RateLimits`` installed and without (best of ``--rounds`` each);
+   ``unlimited_ratio`` is with over without.
+3. **Order** (``benchmarks/flow_order.py``, when present): its ``measure_order()`` figures,
+   ``order_violations`` and ``ordered_ratio``; ``null`` when it is not there.
+
+Each run uses a schema of its own, dropped afterwards.  The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import dramatiq
+import psycopg
+from psycopg import sql
+
+from dramatiq_reliable import ClassifiedRetries, PostgresBroker, build_middleware, migrate
+from dramatiq_reliable.flow import RateLimit, RateLimits
+
+DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+HERE = Path(__file__).resolve()
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=int, default=60, help="how long the limited key is hammered (default 60)")
+    parser.add_argument("--rate", type=int, default=50, help="the key's limit per second (default 50)")
+    parser.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
+    parser.add_argument("--threads", type=int, default=4, help="threads per worker process (default 4)")
+    parser.add_argument("--poll-ms", type=int, default=100, help="the workers' worker_timeout (default 100)")
+    parser.add_argument("--unlimited-jobs", type=int, default=3000, help="jobs of the unlimited runs (default 3000)")
+    parser.add_argument("--rounds", type=int, default=2, help="unlimited runs with and without (default 2)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# -- the worker processes ----------------------------------------------------------------------------
+
+
+def _broker(schema: str, *, limited: bool, rate: int) -> PostgresBroker:
+    front = [RateLimits([RateLimit("api", per_second=rate)])] if limited else []
+    return PostgresBroker(
+        database=DATABASE_URL,
+        schema=schema,
+        middleware=build_middleware(retries=ClassifiedRetries(max_retries=0), middleware=front),
+    )
+
+
+def _declare(broker: PostgresBroker, schema: str, queue: str, *, limited: bool) -> dramatiq.Actor[Any, Any]:
+    calls = sql.SQL("INSERT INTO {} (n, pid) VALUES (%s, %s)").format(sql.Identifier(schema, "calls"))
+    options: dict[str, Any] = {"rate_limit": "api"} if limited else {}
+
+    def call(n: int) -> None:
+        with broker.database.autocommit() as conn:
+            conn.execute(calls, (n, os.getpid()))
+
+    return dramatiq.actor(call, actor_name="call", queue_name=queue, broker=broker, **options)
+
+
+def worker_main() -> None:
+    """A worker process: settings in the environment, stopped by closing its stdin."""
+    schema, queue = os.environ["SCHEMA"], os.environ["QUEUE"]
+    # Dramatiq logs every skipped message (each postponement) as a warning.
+    logging.getLogger("dramatiq.worker.WorkerThread").setLevel(logging.ERROR)
+    installed, limited = os.environ["INSTALLED"] == "1", os.environ["LIMITED"] == "1"
+    broker = _broker(schema, limited=installed, rate=int(os.environ["RATE"]))
+    _declare(broker, schema, queue, limited=limited)
+    worker = dramatiq.Worker(broker, worker_threads=int(os.environ["THREADS"]), worker_timeout=int(os.environ["POLL"]))
+    worker.start()
+    try:
+        sys.stdin.read()
+    finally:
+        worker.stop()
+        broker.close()
+
+
+def _start(args: argparse.Namespace, schema: str, queue: str, *, installed: bool, limited: bool) -> list[Any]:
+    env = {
+        **os.environ,
+        "SCHEMA": schema,
+        "QUEUE": queue,
+        "INSTALLED": "1" if installed else "0",
+        "LIMITED": "1" if limited else "0",
+        "RATE": str(args.rate),
+        "THREADS": str(args.threads),
+        "POLL": str(args.poll_ms),
+    }
+    return [
+        subprocess.Popen([sys.executable, str(HERE), "--worker"], env=env, stdin=subprocess.PIPE, text=True)
+        for _ in range(args.workers)
+    ]
+
+
+def _stop(processes: list[Any]) -> None:
+    for process in processes:
+        if process.stdin is not None:
+            process.stdin.close()
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+# -- the runs -----------------------------------------------------------------------------------------
+
+
+def _prepare() -> str:
+    schema = f"bench_flow_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+        migrate(conn, schema=schema)
+        conn.execute(
+            sql.SQL("CREATE TABLE {} (n int, pid int, at timestamptz NOT NULL DEFAULT clock_timestamp())").format(
+                sql.Identifier(schema, "calls")
+            )
+        )
+    return schema
+
+
+def _drop(schema: str) -> None:
+    with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def _send(schema: str, queue: str, jobs: int, *, limited: bool, rate: int) -> None:
+    sender = _broker(schema, limited=limited, rate=rate)
+    try:
+        actor = _declare(sender, schema, queue, limited=limited)
+        with sender.transaction():
+            for n in range(jobs):
+                actor.send(n)
+    finally:
+        sender.close()
+
+
+def _times(schema: str) -> list[float]:
+    with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+        rows = conn.execute(
+            sql.SQL("SELECT extract(epoch FROM at)::float8 FROM {} ORDER BY at").format(sql.Identifier(schema, "calls"))
+        ).fetchall()
+    return [row[0] for row in rows]
+
+
+def busiest_second(times: list[float]) -> int:
+    """The most calls in any window of one second (a sliding window over sorted times)."""
+    most, start = 0, 0
+    for end, at in enumerate(times):
+        while at - times[start] >= 1.0:
+            start += 1
+        most = max(most, end - start + 1)
+    return most
+
+
+def run_limited(args: argparse.Namespace) -> dict[str, Any]:
+    schema, queue = _prepare(), f"flow_{uuid.uuid4().hex[:8]}"
+    try:
+        _send(schema, queue, int(args.rate * args.seconds * 1.3), limited=True, rate=args.rate)
+        processes = _start(args, schema, queue, installed=True, limited=True)
+        try:
+            deadline = time.monotonic() + args.seconds + 30
+            while time.monotonic() < deadline:
+                time.sleep(1)
+                times = _times(schema)
+                if times and times[-1] - times[0] >= args.seconds:
+                    break
+        finally:
+            _stop(processes)
+        times = _times(schema)
+        window = [at for at in times if at < times[0] + args.seconds]
+        peak = busiest_second(window)
+        achieved = len(window) / args.seconds
+        log(f"limited: {len(window)} calls in {args.seconds} s, peak {peak} in 1 s, {achieved:.1f}/s at {args.rate}/s")
+        return {
+            "limit_peak_ratio": round(peak / args.rate, 3),
+            "limit_throughput_ratio": round(achieved / args.rate, 3),
+            "limit_peak_per_s": peak,
+            "limit_achieved_per_s": round(achieved, 2),
+        }
+    finally:
+        _drop(schema)
+
+
+def _drain(args: argparse.Namespace, *, installed: bool) -> float:
+    schema, queue = _prepare(), f"flow_{uuid.uuid4().hex[:8]}"
+    try:
+        _send(schema, queue, args.unlimited_jobs, limited=False, rate=args.rate)
+        started = time.monotonic()
+        processes = _start(args, schema, queue, installed=installed, limited=False)
+        try:
+            count = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "calls"))
+            with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+                while (row := conn.execute(count).fetchone()) is not None and row[0] < args.unlimited_jobs:
+                    time.sleep(0.05)
+            # The rate from first to last call: process start-up is the same with or without.
+            times = _times(schema)
+            per_s = (len(times) - 1) / max(times[-1] - times[0], 1e-6)
+        finally:
+            _stop(processes)
+        log(
+            f"unlimited, middleware {'installed' if installed else 'absent'}: {per_s:.0f} jobs/s "
+            f"({time.monotonic() - started:.1f} s with start-up)"
+        )
+        return per_s
+    finally:
+        _drop(schema)
+
+
+def run_unlimited(args: argparse.Namespace) -> dict[str, Any]:
+    with_middleware, without = [], []
+    for _ in range(args.rounds):
+        without.append(_drain(args, installed=False))
+        with_middleware.append(_drain(args, installed=True))
+    best_with, best_without = max(with_middleware), max(without)
+    return {
+        "unlimited_ratio": round(best_with / best_without, 3),
+        "unlimited_with_per_s": round(best_with),
+        "unlimited_without_per_s": round(best_without),
+    }
+
+
+def run_order() -> dict[str, Any]:
+    path = HERE.with_name("flow_order.py")
+    if not path.exists():
+        log("order: benchmarks/flow_order.py is not there; its figures are null")
+        return {"order_violations": None, "ordered_ratio": None}
+    spec = importlib.util.spec_from_file_location("flow_order_benchmark", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    figures: dict[str, Any] = module.measure_order()
+    return {
+        "order_violations": figures.get("order_violations"),
+        "ordered_ratio": figures.get("ordered_ratio"),
+        **{f"order_{key}": value for key, value in figures.items() if key not in ("order_violations", "ordered_ratio")},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main()
+        return
+    result: dict[str, Any] = {
+        "seconds": args.seconds,
+        "rate": args.rate,
+        "workers": args.workers,
+        "threads": args.threads,
+        "poll_ms": args.poll_ms,
+    }
+    result.update(run_limited(args))
+    result.update(run_unlimited(args))
+    result.update(run_order())
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
