@@ -3,9 +3,9 @@
     python benchmarks/flow_control.py [--seconds 60] [--rate 50] [--workers 4] [--threads 4]
 
 1. **Limited**: ``--workers`` worker processes (PostgresBroker, ``RateLimits``) hammer one key
-   limited at ``--rate`` per second (burst 1) with ``--rate * --seconds * 1.3`` jobs sent at
-   once.  Each job records its start in Postgres (one clock for every process).  Over the first
-   ``--seconds`` of calls: ``limit_peak_ratio`` is the most calls in any 1 s sliding window over
+   limited at ``--rate`` per second (burst 1) while a producer sends ``--send-rate`` jobs a
+   second (twice the limit), so a backlog grows all along.  Each job records its start in
+   Postgres (one clock for every process).  Over the first ``--seconds`` of calls: ``limit_peak_ratio`` is the most calls in any 1 s sliding window over
    the rate, ``limit_throughput_ratio`` the calls per second achieved over the rate.
 2. **Unlimited**: ``--unlimited-jobs`` jobs of an actor with no ``rate_limit``, drained by the
    same processes with ``RateLimits`` installed and without (best of ``--rounds`` each);
@@ -25,6 +25,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=int, default=60, help="how long the limited key is hammered (default 60)")
     parser.add_argument("--rate", type=int, default=50, help="the key's limit per second (default 50)")
+    parser.add_argument(
+        "--send-rate", type=int, default=100, help="jobs sent per second while it runs (default 100: twice the limit)"
+    )
     parser.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
     parser.add_argument("--threads", type=int, default=4, help="threads per worker process (default 4)")
     parser.add_argument("--poll-ms", type=int, default=100, help="the workers' worker_timeout (default 100)")
@@ -91,6 +95,7 @@ def worker_main() -> None:
     _declare(broker, schema, queue, limited=limited)
     worker = dramatiq.Worker(broker, worker_threads=int(os.environ["THREADS"]), worker_timeout=int(os.environ["POLL"]))
     worker.start()
+    print("ready", flush=True)
     try:
         sys.stdin.read()
     finally:
@@ -109,10 +114,18 @@ def _start(args: argparse.Namespace, schema: str, queue: str, *, installed: bool
         "THREADS": str(args.threads),
         "POLL": str(args.poll_ms),
     }
-    return [
-        subprocess.Popen([sys.executable, str(HERE), "--worker"], env=env, stdin=subprocess.PIPE, text=True)
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(HERE), "--worker"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         for _ in range(args.workers)
     ]
+    # Every process started (imports done, consumers running) before a job is sent: the figures
+    # are of the fleet at work, not of four interpreters starting on the same cores.
+    for process in processes:
+        assert process.stdout is not None
+        process.stdout.readline()
+    return processes
 
 
 def _stop(processes: list[Any]) -> None:
@@ -176,11 +189,29 @@ def busiest_second(times: list[float]) -> int:
     return most
 
 
+def _keep_sending(schema: str, queue: str, args: argparse.Namespace, stop: threading.Event) -> None:
+    """Send ``--send-rate`` jobs a second (in batches of a tenth of a second) until ``stop``."""
+    sender = _broker(schema, limited=True, rate=args.rate)
+    try:
+        actor = _declare(sender, schema, queue, limited=True)
+        batch, n, started = max(1, args.send_rate // 10), 0, time.monotonic()
+        while not stop.is_set():
+            with sender.transaction():
+                for _ in range(batch):
+                    actor.send(n)
+                    n += 1
+            stop.wait(max(0.0, started + n / args.send_rate - time.monotonic()))
+    finally:
+        sender.close()
+
+
 def run_limited(args: argparse.Namespace) -> dict[str, Any]:
     schema, queue = _prepare(), f"flow_{uuid.uuid4().hex[:8]}"
+    stop = threading.Event()
     try:
-        _send(schema, queue, int(args.rate * args.seconds * 1.3), limited=True, rate=args.rate)
         processes = _start(args, schema, queue, installed=True, limited=True)
+        sending = threading.Thread(target=_keep_sending, args=(schema, queue, args, stop), daemon=True)
+        sending.start()
         try:
             deadline = time.monotonic() + args.seconds + 30
             while time.monotonic() < deadline:
@@ -189,6 +220,8 @@ def run_limited(args: argparse.Namespace) -> dict[str, Any]:
                 if times and times[-1] - times[0] >= args.seconds:
                     break
         finally:
+            stop.set()
+            sending.join(timeout=30)
             _stop(processes)
         times = _times(schema)
         window = [at for at in times if at < times[0] + args.seconds]
@@ -208,10 +241,11 @@ def run_limited(args: argparse.Namespace) -> dict[str, Any]:
 def _drain(args: argparse.Namespace, *, installed: bool) -> float:
     schema, queue = _prepare(), f"flow_{uuid.uuid4().hex[:8]}"
     try:
-        _send(schema, queue, args.unlimited_jobs, limited=False, rate=args.rate)
-        started = time.monotonic()
         processes = _start(args, schema, queue, installed=installed, limited=False)
+        started = time.monotonic()
         try:
+            # One transaction: every job becomes visible to the ready workers at once.
+            _send(schema, queue, args.unlimited_jobs, limited=False, rate=args.rate)
             count = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "calls"))
             with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
                 while (row := conn.execute(count).fetchone()) is not None and row[0] < args.unlimited_jobs:
@@ -223,7 +257,7 @@ def _drain(args: argparse.Namespace, *, installed: bool) -> float:
             _stop(processes)
         log(
             f"unlimited, middleware {'installed' if installed else 'absent'}: {per_s:.0f} jobs/s "
-            f"({time.monotonic() - started:.1f} s with start-up)"
+            f"({time.monotonic() - started:.1f} s with sending)"
         )
         return per_s
     finally:

@@ -22,6 +22,7 @@ are ahead (:func:`limited_keys`), so no row per waiting job is written.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -240,6 +241,19 @@ class KeyState:
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def describe(self) -> str:
+        """One line for people: the key, its limit, and what holds it back now."""
+        parts = []
+        if self.paused_until_ms is not None:
+            by = f" by a {self.paused_status}" if self.paused_status else ""
+            parts.append(f"paused{by} until {_when(self.paused_until_ms)}")
+        if self.slowed_until_ms is not None and self.slow_factor is not None:
+            parts.append(f"at {self.slow_factor:g} of its rate until {_when(self.slowed_until_ms)}")
+        if self.waiting:
+            due = f", the last due {_when(self.busy_until_ms)}" if self.busy_until_ms is not None else ""
+            parts.append(f"{self.waiting} job{'s' if self.waiting != 1 else ''} waiting{due}")
+        return f"rate limit {self.key!r} ({self.per_second:g}/s, burst {self.burst}): " + ", ".join(parts)
+
 
 def limited_keys(conn: psycopg.Connection[Any], schema: str, *, limit: int = 100) -> list[KeyState]:
     """The keys limited now (paused, slowed, or with jobs waiting), most pressing first."""
@@ -261,6 +275,10 @@ def limited_keys(conn: psycopg.Connection[Any], schema: str, *, limit: int = 100
         )
         for row in rows
     ]
+
+
+def _when(ms: int) -> str:
+    return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
 def _ms(value: Any) -> int | None:

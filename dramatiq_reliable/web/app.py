@@ -36,7 +36,7 @@ from ..backing import SENDS_TO, SendsTo, postgres_backed
 from ..dead_letters import DEFAULT_REPLAY_MAX_AGE_MS, PostgresDeadLetterStore
 from ..errors import ConfigurationError, SchemaNotReady
 from ..queue_depths import QueueDepths
-from . import actions, views
+from . import actions, rate_limits, views
 from .access import Access, AccessHook, cross_site_problem, resolve
 from .pools import ReadPool, action_database
 from .rendering import render
@@ -245,6 +245,7 @@ def _routes() -> list[Route | Mount]:
         Route("/outbox", views.outbox, name="outbox"),
         Route("/outbox/retry", actions.outbox_retry, methods=["POST"], name="outbox_retry"),
         Route("/schedules", views.schedules, name="schedules"),
+        Route("/rate-limits", rate_limits.rate_limits, name="rate_limits"),
         Route("/schedules/{name:str}/{verb:str}", actions.schedule_action, methods=["POST"], name="schedule_action"),
         Mount("/static", app=StaticFiles(directory=_STATIC), name="static"),
     ]
