@@ -257,7 +257,7 @@ class RateLimits(Middleware):
         if not (isinstance(slot, dict) and slot.get("key") == key and is_int(slot.get("at_ms"))):
             return None
         ahead_ms, paused_ms = slot_ahead(conn, schema, key, slot["at_ms"])
-        if paused_ms > ahead_ms or ahead_ms < -max(_LATE_MS, self.hold_ms // 2, limit.interval_ms):
+        if paused_ms > ahead_ms or ahead_ms < -max(_LATE_MS, limit.interval_ms):
             return None
         return Take(granted=False, wait_ms=max(0, ahead_ms), slot_ms=slot["at_ms"], paused=False)
 

@@ -1,0 +1,70 @@
+"""Limited keys are visible: the bucket rows as status, the health reading and the web page show them."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from starlette.testclient import TestClient
+
+from dramatiq_reliable.cli.status import render_table
+from dramatiq_reliable.flow import RateLimit, limited_keys
+from dramatiq_reliable.flow.rate_limit import pause, take
+from dramatiq_reliable.health import collect_health
+from dramatiq_reliable.web import create_app
+
+pytestmark = pytest.mark.integration
+
+LIMIT = RateLimit("mailer", per_second=10, burst=2)
+
+
+@pytest.fixture
+def conn(database_url: str, db_schema: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(database_url, autocommit=True) as connection:
+        yield connection
+
+
+def test_a_take_grants_the_burst_then_reserves_one_step_apart(conn: psycopg.Connection[Any], db_schema: str) -> None:
+    takes = [take(conn, db_schema, LIMIT, "mailer:a") for _ in range(5)]
+    assert [t.granted for t in takes] == [True, True, False, False, False]
+    slots = [t.slot_ms for t in takes[2:]]
+    assert [b - a for a, b in itertools.pairwise(slots)] == [100, 100]  # 10/s: one token per 100 ms
+    assert 0 < takes[2].wait_ms <= 100
+    (state,) = limited_keys(conn, db_schema)
+    assert (state.key, state.waiting, state.granted, state.postponed) == ("mailer:a", 3, 2, 3)
+    assert state.paused_until_ms is None
+    assert take(conn, db_schema, LIMIT, "mailer:b").granted  # another key has its own bucket
+
+
+def test_a_pause_holds_every_take_until_it_ends_and_status_shows_it(
+    conn: psycopg.Connection[Any], db_schema: str, database_url: str
+) -> None:
+    take(conn, db_schema, LIMIT, "mailer:a")
+    pause(conn, db_schema, LIMIT, "mailer:a", pause_ms=5_000, status=429, message_id="m-1")
+    pause(conn, db_schema, LIMIT, "mailer:a", pause_ms=1_000, status=429, message_id="m-2")  # never shortens
+    held = take(conn, db_schema, LIMIT, "mailer:a")
+    assert not held.granted and held.paused
+    assert 4_000 < held.wait_ms <= 5_000
+    (state,) = limited_keys(conn, db_schema)
+    assert state.paused_status == 429 and state.slow_factor == 0.5
+    assert state.waiting == 1
+    health = collect_health(database=database_url, schema=db_schema, discover_queues=False)
+    assert [item.key for item in health.rate_limits] == ["mailer:a"]
+    assert health.as_dict()["rate_limits"][0]["paused_status"] == 429
+    table = render_table(health)
+    assert "rate limit 'mailer:a' (10/s, burst 2): paused by a 429 until " in table
+    assert "1 job waiting" in table
+
+
+def test_the_web_page_lists_the_limited_keys(conn: psycopg.Connection[Any], db_schema: str, database_url: str) -> None:
+    app = create_app(database_url, schema=db_schema)
+    with TestClient(app, client=("127.0.0.1", 50000), base_url="http://localhost") as client:
+        assert "No key is limited now" in client.get("/rate-limits").text
+        pause(conn, db_schema, LIMIT, "mailer:a", pause_ms=60_000, status=503, message_id="m-1")
+        page = client.get("/rate-limits")
+    assert page.status_code == 200
+    assert 'data-key="mailer:a"' in page.text
+    assert "(503)" in page.text
