@@ -17,7 +17,7 @@ from django.db import connections
 from ..database import Database, connection_kwargs
 from ..errors import ConfigurationError
 
-__all__ = ["DjangoDatabase", "check_psycopg3", "libpq_params", "same_database"]
+__all__ = ["DjangoDatabase", "alias_identity", "check_psycopg3", "libpq_params", "same_database"]
 
 
 @functools.cache
@@ -50,19 +50,19 @@ def libpq_params(alias: str) -> dict[str, Any]:
     return params
 
 
-def _identity(params: dict[str, Any]) -> tuple[str, str, str]:
-    return (str(params.get("host") or ""), str(params.get("port") or "5432"), str(params.get("dbname") or ""))
+def alias_identity(alias: str) -> tuple[str | None, int | None]:
+    """The database name and port of ``DATABASES[alias]``, as :meth:`Database.identity` gives them."""
+    params = libpq_params(alias)
+    port = str(params.get("port") or "").split(",")[0]
+    return (str(params["dbname"]) if params.get("dbname") else None, int(port) if port.isdigit() else None)
 
 
 def same_database(alias: str, database: Database) -> bool:
-    """Whether ``database`` is the one ``DATABASES[alias]`` names (host, port and database name)."""
-    if isinstance(database, DjangoDatabase):
-        return database.alias == alias or _identity(libpq_params(database.alias)) == _identity(libpq_params(alias))
-    try:
-        theirs = psycopg.conninfo.conninfo_to_dict(database.conninfo)
-    except psycopg.ProgrammingError:
-        return False
-    return _identity(dict(theirs)) == _identity(libpq_params(alias))
+    """Whether ``database`` is the one ``DATABASES[alias]`` names (name and port; unknown parts match)."""
+    if isinstance(database, DjangoDatabase) and database.alias == alias:
+        return True
+    ours, theirs = alias_identity(alias), database.identity()
+    return all(a is None or b is None or a == b for a, b in zip(ours, theirs, strict=True))
 
 
 def check_psycopg3(raw: object, alias: str) -> psycopg.Connection[Any]:
@@ -97,6 +97,10 @@ class DjangoDatabase(Database):
     def _resolve(self) -> str:
         url = psycopg.conninfo.make_conninfo("", **libpq_params(self.alias))
         return psycopg.conninfo.make_conninfo(url, **connection_kwargs(url))
+
+    def identity(self) -> tuple[str | None, int | None]:
+        """Read from the alias each time (not cached): the test runner renames its database."""
+        return alias_identity(self.alias)
 
     @property
     def conninfo(self) -> str:
