@@ -79,20 +79,20 @@ class PlaceOrderTests(TransactionTestCase):
     def test_a_declined_card_rolls_back_the_order_and_its_message(self) -> None:
         before = Order.objects.count()
         response = self.client.post("/orders/", {"item": "lamp", "card": "declined"})
-        self.assertEqual(response.status_code, 402)
-        self.assertEqual(Order.objects.count(), before)
+        assert response.status_code == 402
+        assert Order.objects.count() == before
         with connection.cursor() as cursor:
             cursor.execute("SELECT last_value FROM shop_order_id_seq")
             rolled_back_id = int(cursor.fetchone()[0])
-        self.assertEqual(receipt_messages(rolled_back_id), [])
+        assert receipt_messages(rolled_back_id) == []
 
     def test_a_paid_order_gets_one_receipt_through_a_worker(self) -> None:
         response = self.client.post("/orders/", {"item": "lamp"})
-        self.assertEqual(response.status_code, 201)
+        assert response.status_code == 201
         order_id = response.json()["order"]
         [message_id] = receipt_messages(order_id)
         FAIL_ONCE.add(order_id)  # the first run fails after its ORM update: that update rolls back
         with worker():
             wait_for(lambda: committed(message_id), "the receipt job never committed")
-        self.assertNotIn(order_id, FAIL_ONCE, "the first run did not fail as planned")
-        self.assertEqual(Order.objects.get(pk=order_id).receipts_sent, 1)
+        assert order_id not in FAIL_ONCE, "the first run did not fail as planned"
+        assert Order.objects.get(pk=order_id).receipts_sent == 1

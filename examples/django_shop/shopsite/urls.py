@@ -2,7 +2,6 @@
 
 from django.contrib import admin
 from django.urls import include, path
-
 from shop import views
 
 urlpatterns = [

@@ -29,9 +29,9 @@ def _worker(broker: Any) -> Iterator[None]:
 def _counting_actor(broker: Any, fail_once: set[int], seen: dict[str, Any]) -> Any:
     from django.db import connection, transaction
     from django.db.models import F
+    from shop.models import Order
 
     from dramatiq_reliable import job_connection
-    from shop.models import Order
 
     def count_receipt(order_id: int) -> None:
         Order.objects.filter(pk=order_id).update(receipts_sent=F("receipts_sent") + 1)

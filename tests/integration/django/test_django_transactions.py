@@ -37,7 +37,6 @@ def test_a_send_inside_atomic_commits_with_the_block_and_not_before(django_proje
 
 def test_a_rolled_back_atomic_block_leaves_no_message(django_project, django_broker, django_schema):
     from django.db import transaction
-
     from shop.models import Order
 
     tick = _actor(django_broker)
