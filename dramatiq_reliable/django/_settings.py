@@ -194,8 +194,12 @@ def get_broker() -> Broker:
 
 
 def reset() -> None:
-    """Close and forget the built broker (tests that change ``DRAMATIQ_RELIABLE`` call it)."""
+    """Close and forget the built broker and the page's pools (tests that change ``DRAMATIQ_RELIABLE``
+    call it; so does :class:`~dramatiq_reliable.django.runner.DiscoverRunner` before the test database goes)."""
     global _broker
+    from ._web import close_page
+
+    close_page()
     with _lock:
         if _broker is not None:
             _broker.close()

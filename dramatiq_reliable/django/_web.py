@@ -13,19 +13,18 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from django.conf import settings as django_settings
-from django.contrib.auth.views import redirect_to_login
 from django.http import HttpRequest, HttpResponse, HttpResponseForbidden, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from ..errors import ConfigurationError
 from ._settings import get_broker, reliable_settings
 
-__all__ = ["default_access", "page"]
+__all__ = ["close_page", "default_access", "page"]
 
 _LEVEL = "HTTP_X_DRAMATIQ_RELIABLE_ACCESS"
 _USER = "HTTP_X_DRAMATIQ_RELIABLE_USER"
 _lock = threading.Lock()
-_app: Any = None
+_app: tuple[Any, Any] | None = None
 
 
 def default_access(user: Any) -> str:
@@ -43,14 +42,27 @@ def _from_view(request: Any) -> Any:
 
 
 def _wsgi_app() -> Any:
+    """The page's app for the current broker (rebuilt, the old one closed, when the broker was rebuilt)."""
     global _app
+    broker = get_broker()
     with _lock:
-        if _app is None:
+        if _app is None or _app[0] is not broker:
             from ..web import create_wsgi_app
 
-            config = reliable_settings()
-            _app = create_wsgi_app(broker=get_broker(), access=_from_view, **dict(config.web_options))
-        return _app
+            if _app is not None:
+                _app[1].app.state.settings.close()
+            options = dict(reliable_settings().web_options)
+            _app = (broker, create_wsgi_app(broker=broker, access=_from_view, **options))
+        return _app[1]
+
+
+def close_page() -> None:
+    """Close the page's pools (the broker they were built on is being closed)."""
+    global _app
+    with _lock:
+        if _app is not None:
+            _app[1].app.state.settings.close()
+            _app = None
 
 
 def _level(request: HttpRequest) -> str:
@@ -68,6 +80,8 @@ def page(request: HttpRequest, path: str = "") -> HttpResponse | StreamingHttpRe
     """Serve the page's ``path`` to a user Django signed in; anonymous users go to ``LOGIN_URL``."""
     if not request.user.is_authenticated:
         if request.method in ("GET", "HEAD"):
+            from django.contrib.auth.views import redirect_to_login
+
             return redirect_to_login(request.get_full_path(), django_settings.LOGIN_URL)
         return HttpResponseForbidden("sign in first")
     level = _level(request)
