@@ -54,9 +54,10 @@ def test_a_broker_option_taken_from_another_key_is_refused(django_project):
 
     reset()
     try:
-        with override_settings(DRAMATIQ_RELIABLE={"BROKER": "postgres", "BROKER_OPTIONS": {"schema": "x"}}):
-            with pytest.raises(ConfigurationError, match=r"'schema' comes from the other keys; remove it"):
-                get_broker()
+        setting = {"BROKER": "postgres", "BROKER_OPTIONS": {"schema": "x"}}
+        refused = pytest.raises(ConfigurationError, match=r"'schema' comes from the other keys; remove it")
+        with override_settings(DRAMATIQ_RELIABLE=setting), refused:
+            get_broker()
     finally:
         reset()
 
