@@ -25,7 +25,6 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import psycopg
 from psycopg import sql
@@ -37,47 +36,20 @@ SHOP = Path(__file__).resolve().parent.parent / "examples" / "django_shop"
 
 def _configure(database_url: str, name: str, broker: str, schema: str) -> None:
     """Django on database ``name`` with the shop app, once per process."""
-    import django
     from django.conf import settings
 
     if settings.configured:
         raise RuntimeError("measure_django() configures Django itself; call it in a process where Django is not set up")
     if str(SHOP) not in sys.path:
         sys.path.insert(0, str(SHOP))
-    url = urlsplit(database_url)
+    from shopsite.database import from_url
+    from shopsite.standalone import configure
+
     reliable: dict[str, Any] = {"BROKER": broker, "SCHEMA": schema}
     if broker == "outbox":
         reliable["RABBITMQ_URL"] = RABBITMQ_URL
-    settings.configure(
-        SECRET_KEY="bench",
-        ALLOWED_HOSTS=["testserver"],
-        ROOT_URLCONF="shopsite.urls",
-        USE_TZ=True,
-        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
-        INSTALLED_APPS=[
-            "django.contrib.admin",
-            "django.contrib.auth",
-            "django.contrib.contenttypes",
-            "django.contrib.sessions",
-            "django.contrib.messages",
-            "dramatiq_reliable.django",
-            "shop",
-        ],
-        MIDDLEWARE=["django.middleware.common.CommonMiddleware"],
-        DATABASES={
-            "default": {
-                "ENGINE": "django.db.backends.postgresql",
-                "NAME": name,
-                "USER": unquote(url.username or ""),
-                "PASSWORD": unquote(url.password or ""),
-                "HOST": url.hostname or "",
-                "PORT": str(url.port or ""),
-                "CONN_MAX_AGE": None,  # one connection for the run, as a real app keeps it
-            }
-        },
-        DRAMATIQ_RELIABLE=reliable,
-    )
-    django.setup()
+    # one connection for the run (CONN_MAX_AGE=None), as a real app keeps it
+    configure(databases={"default": from_url(database_url, NAME=name, CONN_MAX_AGE=None)}, reliable=reliable)
 
 
 def _round(client: Any, seconds: float) -> tuple[float, float]:

@@ -16,7 +16,7 @@ from dramatiq.middleware import Middleware
 from .. import _sql
 from ..errors import ConfigurationError
 
-__all__ = ["ReliableSettings", "get_broker", "reliable_settings", "reset"]
+__all__ = ["ReliableSettings", "get_broker", "on_reset", "reliable_settings", "reset"]
 
 _KEYS = (
     "BROKER",
@@ -178,6 +178,14 @@ def _build(config: ReliableSettings) -> Broker:
 
 _lock = threading.Lock()
 _broker: Broker | None = None
+#: What else holds connections of the broker's pool and must close with it (the page registers).
+_closers: list[Callable[[], None]] = []
+
+
+def on_reset(close: Callable[[], None]) -> None:
+    """Call ``close`` whenever :func:`reset` closes the broker (once per function)."""
+    if close not in _closers:
+        _closers.append(close)
 
 
 def get_broker() -> Broker:
@@ -197,9 +205,8 @@ def reset() -> None:
     """Close and forget the built broker and the page's pools (tests that change ``DRAMATIQ_RELIABLE``
     call it; so does :class:`~dramatiq_reliable.django.runner.DiscoverRunner` before the test database goes)."""
     global _broker
-    from ._web import close_page
-
-    close_page()
+    for close in tuple(_closers):
+        close()
     with _lock:
         if _broker is not None:
             _broker.close()

@@ -17,7 +17,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseForbidden, Stream
 from django.views.decorators.csrf import csrf_exempt
 
 from ..errors import ConfigurationError
-from ._settings import get_broker, reliable_settings
+from ._settings import get_broker, on_reset, reliable_settings
 
 __all__ = ["close_page", "default_access", "page"]
 
@@ -63,6 +63,9 @@ def close_page() -> None:
         if _app is not None:
             _app[1].app.state.settings.close()
             _app = None
+
+
+on_reset(close_page)
 
 
 def _level(request: HttpRequest) -> str:

@@ -57,9 +57,9 @@ def wait_for(condition: Callable[[], bool], message: str, timeout_s: float = 30)
 
 
 @contextmanager
-def worker() -> Iterator[None]:
-    """A Dramatiq worker thread on the app's broker, and the relay when the broker is the outbox."""
-    broker = get_broker()
+def worker(broker: dramatiq.Broker | None = None) -> Iterator[None]:
+    """A Dramatiq worker thread on ``broker`` (the app's), and the relay when the broker is the outbox."""
+    broker = broker or get_broker()
     relay = Relay.from_broker(broker) if isinstance(broker, OutboxBroker) else None
     relay_thread = threading.Thread(target=relay.run, daemon=True) if relay else None
     if relay_thread:

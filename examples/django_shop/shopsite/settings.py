@@ -6,9 +6,8 @@ Only the example reads the environment; the library never does.
 from __future__ import annotations
 
 import os
-from urllib.parse import unquote, urlsplit
 
-_url = urlsplit(os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/shop"))
+from shopsite.database import from_url
 
 SECRET_KEY = os.environ.get("SHOP_SECRET_KEY", "django-shop-example-not-secret")
 DEBUG = os.environ.get("SHOP_DEBUG", "") == "1"
@@ -54,16 +53,11 @@ TEMPLATES = [
 ]
 
 DATABASES = {
-    "default": {
-        "ENGINE": "django.db.backends.postgresql",  # psycopg 3 when installed (Django >= 4.2)
-        "NAME": _url.path.lstrip("/") or "shop",
-        "USER": unquote(_url.username or ""),
-        "PASSWORD": unquote(_url.password or ""),
-        "HOST": _url.hostname or "",
-        "PORT": str(_url.port or ""),
+    "default": from_url(
+        os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/shop"),
         # The test run's database; several runs on one server name their own.
-        "TEST": {"NAME": os.environ.get("SHOP_TEST_DATABASE") or None},
-    }
+        TEST={"NAME": os.environ.get("SHOP_TEST_DATABASE") or None},
+    )
 }
 
 DRAMATIQ_RELIABLE = {

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
@@ -22,27 +22,9 @@ from psycopg import sql
 SHOP = Path(__file__).resolve().parents[3] / "examples" / "django_shop"
 
 
-def _django_databases(database_url: str, name: str) -> dict[str, Any]:
-    url = urlsplit(database_url)
-    common = {
-        "ENGINE": "django.db.backends.postgresql",
-        "USER": unquote(url.username or ""),
-        "PASSWORD": unquote(url.password or ""),
-        "HOST": url.hostname or "",
-        "PORT": str(url.port or ""),
-    }
-    # "other" is the server's own database: an atomic() there is on another database than the broker's.
-    return {
-        "default": {**common, "NAME": name},
-        "other": {**common, "NAME": url.path.lstrip("/") or "postgres"},
-    }
-
-
 @pytest.fixture(scope="session")
 def django_project(database_url: str) -> Iterator[str]:
     """Django configured on a new database (the shop's tables migrated); its URL."""
-    import django
-    from django.conf import settings
 
     name = f"dr_django_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(database_url, autocommit=True) as conn:
@@ -50,45 +32,14 @@ def django_project(database_url: str) -> Iterator[str]:
     try:
         if str(SHOP) not in sys.path:
             sys.path.insert(0, str(SHOP))
-        settings.configure(
-            SECRET_KEY="tests",
-            ALLOWED_HOSTS=["testserver"],
-            ROOT_URLCONF="shopsite.urls",
-            USE_TZ=True,
-            LOGIN_URL="/admin/login/",
-            DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
-            INSTALLED_APPS=[
-                "django.contrib.admin",
-                "django.contrib.auth",
-                "django.contrib.contenttypes",
-                "django.contrib.sessions",
-                "django.contrib.messages",
-                "dramatiq_reliable.django",
-                "shop",
-            ],
-            MIDDLEWARE=[
-                "django.contrib.sessions.middleware.SessionMiddleware",
-                "django.middleware.csrf.CsrfViewMiddleware",
-                "django.contrib.auth.middleware.AuthenticationMiddleware",
-                "django.contrib.messages.middleware.MessageMiddleware",
-            ],
-            TEMPLATES=[
-                {
-                    "BACKEND": "django.template.backends.django.DjangoTemplates",
-                    "APP_DIRS": True,
-                    "OPTIONS": {
-                        "context_processors": [
-                            "django.template.context_processors.request",
-                            "django.contrib.auth.context_processors.auth",
-                            "django.contrib.messages.context_processors.messages",
-                        ]
-                    },
-                }
-            ],
-            DATABASES=_django_databases(database_url, name),
-            DRAMATIQ_RELIABLE={"BROKER": "postgres", "SCHEMA": f"t_{uuid.uuid4().hex[:12]}"},
+        from shopsite.database import from_url
+        from shopsite.standalone import configure as configure_django
+
+        # "other" is the server's own database: an atomic() there is on another database than the broker's.
+        configure_django(
+            databases={"default": from_url(database_url, NAME=name), "other": from_url(database_url)},
+            reliable={"BROKER": "postgres", "SCHEMA": f"t_{uuid.uuid4().hex[:12]}"},
         )
-        django.setup()
         from django.core.management import call_command
 
         call_command("migrate", verbosity=0)
@@ -108,13 +59,15 @@ def django_project(database_url: str) -> Iterator[str]:
 @pytest.fixture
 def django_schema(django_project: str) -> Iterator[str]:
     """A migrated dramatiq-reliable schema of the test's own in the Django database; dropped afterwards."""
+    from django.db import connections
+
     from dramatiq_reliable import schema
 
     name = f"t_{uuid.uuid4().hex[:12]}"
     schema.migrate(django_project, schema=name)
     yield name
-    with psycopg.connect(django_project, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+    with connections["default"].cursor() as cursor:
+        cursor.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)).as_string())
 
 
 def configure(**reliable: Any) -> Any:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import dramatiq
@@ -16,14 +14,10 @@ from dramatiq_reliable.testing import wait_for
 pytestmark = pytest.mark.integration
 
 
-@contextmanager
-def _worker(broker: Any) -> Iterator[None]:
-    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=50)
-    worker.start()
-    try:
-        yield
-    finally:
-        worker.stop()
+def _worker(broker: Any) -> Any:
+    from shop.tests import worker  # the example's: a worker thread, and the relay with the outbox
+
+    return worker(broker)
 
 
 def _counting_actor(broker: Any, fail_once: set[int], seen: dict[str, Any]) -> Any:
