@@ -120,3 +120,11 @@ def test_a_job_leaves_no_atomic_block_open_on_the_worker_thread(django_broker):
         wait_for(done.is_set, message="the second job never ran")
     # inside the transactional job: Django's connection is in atomic(); the next job (off) is back in autocommit
     assert states == [(True, False), (False, True)]
+
+
+def test_job_connections_on_another_database_than_the_keys_are_refused(django_broker):
+    from dramatiq_reliable import ConfigurationError
+    from dramatiq_reliable.django import DjangoJobConnections
+
+    with pytest.raises(ConfigurationError, match=r"another database than DATABASES\['other'\]"):
+        DjangoJobConnections("other").acquire(django_broker.database, 1.0)
