@@ -78,7 +78,9 @@ def _broker_of(actor: object) -> InMemoryBroker:
     return broker
 
 
-def _matches(message: Message[Any], actor: dramatiq.Actor[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _matches(
+    message: Message[Any], actor: dramatiq.Actor[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
     if message.actor_name != actor.actor_name:
         return False
     if not args and not kwargs:
@@ -88,7 +90,9 @@ def _matches(message: Message[Any], actor: dramatiq.Actor[Any, Any], args: tuple
 
 
 def _travelled(args: Any, kwargs: Any) -> tuple[list[Any], dict[str, Any]]:
-    decoded = Message.decode(Message(queue_name="", actor_name="", args=tuple(args), kwargs=dict(kwargs), options={}).encode())
+    decoded = Message.decode(
+        Message(queue_name="", actor_name="", args=tuple(args), kwargs=dict(kwargs), options={}).encode()
+    )
     return list(decoded.args), dict(decoded.kwargs)
 
 

@@ -77,7 +77,9 @@ class _Block:
         self.sends: list[Message[Any]] = []
 
 
-_current_block: contextvars.ContextVar[_Block | None] = contextvars.ContextVar("dramatiq_reliable_stub_block", default=None)
+_current_block: contextvars.ContextVar[_Block | None] = contextvars.ContextVar(
+    "dramatiq_reliable_stub_block", default=None
+)
 
 
 class _NoConnection:
@@ -181,7 +183,9 @@ class InMemoryBroker(StubBroker):
                 f"could not send message {message.message_id!r} for actor {message.actor_name!r}: the bound "
                 "transaction has already failed; roll it back and send again"
             )
-        row = conn.cursor(row_factory=dict_row).execute(_sql.query("stub_transaction_id", _sql.DEFAULT_SCHEMA)).fetchone()
+        row = (
+            conn.cursor(row_factory=dict_row).execute(_sql.query("stub_transaction_id", _sql.DEFAULT_SCHEMA)).fetchone()
+        )
         assert row is not None
         conninfo = None if self.database is not None else _conninfo_of(conn)
         with self._lock:
@@ -326,7 +330,5 @@ class InMemoryBroker(StubBroker):
 
 def _conninfo_of(conn: psycopg.Connection[Any]) -> str:
     """The parameters ``conn`` was opened with (credentials included: kept in memory, never shown)."""
-    options = {
-        option.keyword.decode(): option.val.decode() for option in conn.pgconn.info if option.val is not None
-    }
+    options = {option.keyword.decode(): option.val.decode() for option in conn.pgconn.info if option.val is not None}
     return psycopg.conninfo.make_conninfo("", **options)

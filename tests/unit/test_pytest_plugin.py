@@ -89,7 +89,9 @@ def test_drain_fails_fast_with_the_actors_own_error_naming_the_message(pytester:
     )
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*ValueError: card declined for order 7", "*raised by charge(7), message *, during drain()"])
+    result.stdout.fnmatch_lines(
+        ["*ValueError: card declined for order 7", "*raised by charge(7), message *, during drain()"]
+    )
 
 
 def test_a_retry_the_failure_scheduled_runs_in_the_next_drain(reliable_broker: InMemoryBroker) -> None:
@@ -121,7 +123,10 @@ def test_assert_enqueued_says_what_was_sent_instead(reliable_broker: InMemoryBro
         "expected a send of send_receipt(42); sent: send_receipt(41, lang='fr'); "
         "held until their transaction commits: send_receipt(43)"
     )
-    with pytest.raises(AssertionError, match=r"^expected no send of send_receipt; sent: send_receipt\(41, lang='fr'\), send_receipt\(43\)$"):
+    with pytest.raises(
+        AssertionError,
+        match=r"^expected no send of send_receipt; sent: send_receipt\(41, lang='fr'\), send_receipt\(43\)$",
+    ):
         assert_not_enqueued(send_receipt)
     with pytest.raises(AssertionError, match=r"^expected 2 sends of send_receipt\(43\), got 1; sent: "):
         assert_enqueued_count(2, send_receipt, 43)
@@ -158,7 +163,10 @@ def test_a_rolled_back_transaction_block_never_sent(reliable_broker: InMemoryBro
 
 
 def test_sql_in_a_transaction_without_a_database_names_the_fix(reliable_broker: InMemoryBroker) -> None:
-    with pytest.raises(ConfigurationError, match="build the broker with database="), reliable_broker.transaction() as conn:
+    with (
+        pytest.raises(ConfigurationError, match="build the broker with database="),
+        reliable_broker.transaction() as conn,
+    ):
         conn.execute("INSERT INTO orders VALUES (1)")
 
 
@@ -257,7 +265,9 @@ def test_the_database_url_fixture_names_the_three_ways_to_give_it(
     result = pytester.runpytest()
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(
-        ["*pass --reliable-database-url=postgresql://..., set reliable_database_url in the pytest ini file, or set DATABASE_URL*"]
+        [
+            "*pass --reliable-database-url=postgresql://..., set reliable_database_url in the pytest ini file, or set DATABASE_URL*"
+        ]
     )
 
 
