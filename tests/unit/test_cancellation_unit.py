@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import dramatiq
+import dramatiq.broker
 import pytest
 
 from dramatiq_reliable import (
@@ -29,8 +30,10 @@ def broker() -> Iterator[InMemoryBroker]:
     stub = InMemoryBroker(
         middleware=build_middleware(retries=ClassifiedRetries(max_retries=3, min_backoff=1, max_backoff=2))
     )
+    previous = dramatiq.broker.global_broker
     dramatiq.set_broker(stub)
     yield stub
+    dramatiq.broker.global_broker = previous  # a later test's reliable_broker must not find this one
     stub.close()
 
 
