@@ -53,7 +53,8 @@ def test_the_fixtures_work_in_a_users_test_file(pytester: pytest.Pytester) -> No
             assert receipts == [42]
             assert_enqueued(send_receipt, 42)
             assert_not_enqueued(send_receipt, 41)
-            assert reliable_idempotency_store.keys() == [("place_order", reliable_idempotency_store.keys()[0][1]), ("send_receipt", "receipt-42")]
+            keys = reliable_idempotency_store.keys()
+            assert ("send_receipt", "receipt-42") in keys and len(keys) == 2  # place_order's key is its message id
 
         def test_each_test_starts_with_an_empty_broker(reliable_broker):
             assert reliable_broker.sent == [] and reliable_broker.drain() == 0
