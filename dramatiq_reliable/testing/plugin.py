@@ -110,14 +110,15 @@ def reliable_broker(request: pytest.FixtureRequest) -> Iterator[InMemoryBroker]:
 
     When the global broker already is an :class:`InMemoryBroker` (your conftest set it before
     importing the actors), it is that one, emptied before and after the test.  Else a new one
-    with Dramatiq's default middleware, ``Idempotency`` and ``DeadLetters`` on the in-memory
-    stores ``reliable_idempotency_store`` and ``reliable_dead_letter_store``.
+    with the middleware of :func:`~dramatiq_reliable.build_middleware`: ``DeadLetters`` and
+    ``Idempotency`` on the in-memory stores ``reliable_dead_letter_store`` and
+    ``reliable_idempotency_store``, Dramatiq's defaults, ``ClassifiedRetries`` last.
     """
     import dramatiq.broker
-    from dramatiq.middleware import Callbacks
 
     from ..dead_letters import DeadLetters
     from ..idempotency import Idempotency
+    from ..retries import build_middleware
     from .broker import InMemoryBroker
 
     current = dramatiq.broker.global_broker
@@ -126,9 +127,11 @@ def reliable_broker(request: pytest.FixtureRequest) -> Iterator[InMemoryBroker]:
         yield current
         current.reset()
         return
-    broker = InMemoryBroker()
-    broker.add_middleware(Idempotency(store=request.getfixturevalue("reliable_idempotency_store")), before=Callbacks)
-    broker.add_middleware(DeadLetters(store=request.getfixturevalue("reliable_dead_letter_store")))
+    stores = [
+        DeadLetters(store=request.getfixturevalue("reliable_dead_letter_store")),
+        Idempotency(store=request.getfixturevalue("reliable_idempotency_store")),
+    ]
+    broker = InMemoryBroker(middleware=build_middleware(middleware=stores))
     with _global(broker):
         yield broker
 
@@ -137,10 +140,11 @@ def reliable_broker(request: pytest.FixtureRequest) -> Iterator[InMemoryBroker]:
 def reliable_postgres_broker(reliable_database_url: str, reliable_schema: str) -> Iterator[InMemoryBroker]:
     """An in-memory broker whose transactions, idempotency keys and dead letters are in ``reliable_schema``."""
     import psycopg
-    from dramatiq.middleware import Callbacks
 
+    from ..database import Database
     from ..dead_letters import DeadLetters
     from ..idempotency import Idempotency
+    from ..retries import build_middleware
     from .broker import InMemoryBroker
 
     # The test's schema first: the tables the test and its actors create land there, and go with it.
@@ -148,10 +152,12 @@ def reliable_postgres_broker(reliable_database_url: str, reliable_schema: str) -
     url = psycopg.conninfo.make_conninfo(
         reliable_database_url, options=f"{options} -c search_path={reliable_schema},public".strip()
     )
-    broker = InMemoryBroker(database=url)
-    assert broker.database is not None
-    broker.add_middleware(Idempotency(database=broker.database, schema=reliable_schema), before=Callbacks)
-    broker.add_middleware(DeadLetters(database=broker.database, schema=reliable_schema))
+    database = Database.of(url)
+    middleware = [
+        DeadLetters(database=database, schema=reliable_schema),
+        Idempotency(database=database, schema=reliable_schema),
+    ]
+    broker = InMemoryBroker(middleware=build_middleware(middleware=middleware), database=database)
     with _global(broker):
         yield broker
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import dramatiq
+import dramatiq.broker
 import pytest
 
 from dramatiq_reliable import ConfigurationError, PayloadError
@@ -212,8 +213,12 @@ def test_assertions_refuse_an_actor_of_another_broker() -> None:
         broker.close()
 
 
-def test_the_applications_own_in_memory_broker_is_the_fixtures(pytester: pytest.Pytester) -> None:
+def test_the_applications_own_in_memory_broker_is_the_fixtures(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A conftest that sets an InMemoryBroker before the app's actors are imported keeps its broker and middleware."""
+    # pytester runs in this process: the inner conftest's global broker must not outlive this test.
+    monkeypatch.setattr(dramatiq.broker, "global_broker", dramatiq.broker.global_broker)
     pytester.makeconftest(
         """
         import dramatiq
