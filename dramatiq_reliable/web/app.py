@@ -34,9 +34,9 @@ from .._checks import check_bool, check_choice, check_int, check_ms, check_queue
 from .._util import redact
 from ..backing import SENDS_TO, SendsTo, postgres_backed
 from ..dead_letters import DEFAULT_REPLAY_MAX_AGE_MS, PostgresDeadLetterStore
-from ..errors import ConfigurationError, SchemaNotReady
+from ..errors import ConfigurationError, DatabaseUnavailable, SchemaNotReady
 from ..queue_depths import QueueDepths
-from . import actions, views
+from . import actions, jobs, views
 from .access import Access, AccessHook, cross_site_problem, resolve
 from .pools import ReadPool, action_database
 from .rendering import render
@@ -176,6 +176,7 @@ def create_app(
             psycopg.errors.QueryCanceled: _timed_out,
             psycopg.OperationalError: _unreachable,
             PoolTimeout: _unreachable,
+            DatabaseUnavailable: _unreachable,
             SchemaNotReady: _schema_not_ready,
             Exception: _server_error,
         },
@@ -244,6 +245,10 @@ def _routes() -> list[Route | Mount]:
         Route("/dead-letters/{id}", views.dead_letter, name="dead_letter"),
         Route("/outbox", views.outbox, name="outbox"),
         Route("/outbox/retry", actions.outbox_retry, methods=["POST"], name="outbox_retry"),
+        Route("/jobs", jobs.job_list, name="jobs"),
+        # The id in the query, not the path: an idempotency key may hold "/", "?" or "#".
+        Route("/jobs/show", jobs.job, name="job"),
+        Route("/jobs/cancel", jobs.cancel, methods=["POST"], name="job_cancel"),
         Route("/schedules", views.schedules, name="schedules"),
         Route("/schedules/{name:str}/{verb:str}", actions.schedule_action, methods=["POST"], name="schedule_action"),
         Mount("/static", app=StaticFiles(directory=_STATIC), name="static"),
