@@ -147,14 +147,20 @@ def job_list(request: Request) -> Response:
     try:
         if state not in LISTABLE_STATES:
             raise ConfigurationError(f"state must be one of {LISTABLE_STATES!r}, got {shown(state)}")
-        check_text("actor", filters["actor"] or None, max_chars=_MAX_NAME_CHARS, allow_none=True, fix="give an actor name")
-        check_text("queue", filters["queue"] or None, max_chars=MAX_QUEUE_BYTES, allow_none=True, fix="give a queue name")
+        check_text(
+            "actor", filters["actor"] or None, max_chars=_MAX_NAME_CHARS, allow_none=True, fix="give an actor name"
+        )
+        check_text(
+            "queue", filters["queue"] or None, max_chars=MAX_QUEUE_BYTES, allow_none=True, fix="give a queue name"
+        )
     except ConfigurationError as error:
-        return render(request, "error.html", {"page": "jobs", "title": "Bad filter", "error": str(error)}, status_code=400)
+        return render(
+            request, "error.html", {"page": "jobs", "title": "Bad filter", "error": str(error)}, status_code=400
+        )
     rows = list_jobs(
         settings.reads.get(),
         settings.schema,
-        state=state,  # type: ignore[arg-type]
+        state=state,
         actor=filters["actor"] or None,
         queue=filters["queue"] or None,
         limit=settings.page_size,

@@ -46,7 +46,9 @@ def read_only(request: Any) -> Access:
 
 
 @pytest.fixture(params=["outbox", "postgres"])
-def broker(request: pytest.FixtureRequest, database_url: str, db_schema: str) -> Iterator[OutboxBroker | PostgresBroker]:
+def broker(
+    request: pytest.FixtureRequest, database_url: str, db_schema: str
+) -> Iterator[OutboxBroker | PostgresBroker]:
     """Each test that takes it runs on both Postgres-backed brokers the page supports."""
     made: OutboxBroker | PostgresBroker
     if request.param == "outbox":
@@ -95,18 +97,20 @@ def smtp_down() -> None:
 def fail(broker: OutboxBroker | PostgresBroker, message: Message[Any], *, attempt: int = 2) -> None:
     """The failure record ClassifiedRetries writes when attempt ``attempt`` (of at most 4) failed and is retried."""
     proxy = MessageProxy(message.copy(options={**message.options, "trace_context": {"traceparent": TRACEPARENT}}))
+    decision = {
+        "attempt": attempt,
+        "max_retries": 3,
+        "outcome": "retry",
+        "reason": "transient",
+        "error_type": "ConnectionResetError",
+        "delay_ms": 600_000,
+    }
+    error: BaseException | None = None
     try:
         smtp_down()
-    except ConnectionResetError as error:
-        decision = {
-            "attempt": attempt,
-            "max_retries": 3,
-            "outcome": "retry",
-            "reason": "transient",
-            "error_type": "ConnectionResetError",
-            "delay_ms": 600_000,
-        }
-        assert record_failure(broker, proxy, error, decision)
+    except ConnectionResetError as raised:  # raised, so it carries the traceback the record's "where" reads
+        error = raised
+    assert error is not None and record_failure(broker, proxy, error, decision)
 
 
 def cell(page: str, testid: str) -> str:
@@ -117,7 +121,9 @@ def cell(page: str, testid: str) -> str:
 
 
 def flashes(page: str) -> list[str]:
-    return [html_module.unescape(text).strip() for text in re.findall(r'data-testid="flash"[^>]*>(.*?)</p>', page, re.S)]
+    return [
+        html_module.unescape(text).strip() for text in re.findall(r'data-testid="flash"[^>]*>(.*?)</p>', page, re.S)
+    ]
 
 
 def count(db: psycopg.Connection[Any], schema: str, table: str, message_id: str) -> int:
@@ -162,7 +168,9 @@ def test_a_retrying_job_shows_its_attempts_last_error_where_next_try_and_trace_i
     assert cell(page, "job-dead-letter") == "-"
 
 
-def test_an_idempotency_key_finds_its_job_which_says_it_was_found_by_that_key(broker, client, queue_name, db, db_schema):
+def test_an_idempotency_key_finds_its_job_which_says_it_was_found_by_that_key(
+    broker, client, queue_name, db, db_schema
+):
     message = send(broker, queue_name, 3)
     db.execute(
         sql.SQL(
@@ -184,7 +192,9 @@ def test_an_unknown_id_gets_a_404_page_with_the_search_box_to_try_again(broker, 
     page = client.get("/jobs/show", params={"id": unknown})
     assert page.status_code == 404
     assert "no job" in cell(page.text, "error-panel") and unknown in page.text
-    again = re.search(r'<input type="search" name="id" value="([^"]*)"[^>]*data-testid="job-search-again-input"', page.text)
+    again = re.search(
+        r'<input type="search" name="id" value="([^"]*)"[^>]*data-testid="job-search-again-input"', page.text
+    )
     assert again and again.group(1) == unknown
 
 
@@ -268,7 +278,9 @@ def test_a_waiting_job_is_cancelled_after_a_confirmation_and_its_page_says_by_wh
     events.subscribe(received.append)
     try:
         done = client.post(
-            "/jobs/cancel", data={"id": message.message_id, "confirm": "1", "reason": "sent twice"}, follow_redirects=False
+            "/jobs/cancel",
+            data={"id": message.message_id, "confirm": "1", "reason": "sent twice"},
+            follow_redirects=False,
         )
     finally:
         events.unsubscribe(received.append)
@@ -332,7 +344,7 @@ def test_cancelling_a_finished_job_says_so_and_changes_nothing(broker, client, q
         events.unsubscribe(received.append)
     assert after.status_code == 200
     assert [text for text in flashes(after.text) if "already finished (dead); nothing changed" in text]
-    assert 'flash flash-warn' in after.text
+    assert "flash flash-warn" in after.text
     assert cell(after.text, "job-state") == "dead"
     assert count(db, db_schema, "job_cancellations", item.message_id) == 0
     action = next(event for event in received if isinstance(event, WebAction))
@@ -364,7 +376,9 @@ def test_a_read_only_user_sees_no_cancel_button_and_their_post_is_403_and_change
     assert count(db, db_schema, table_of(broker), message.message_id) == 1
     assert count(db, db_schema, "job_cancellations", message.message_id) == 0
     # The hook-less default (read-only, loopback) too.
-    assert client_for(create_app(broker=broker)).post("/jobs/cancel", data={"id": message.message_id}).status_code == 403
+    assert (
+        client_for(create_app(broker=broker)).post("/jobs/cancel", data={"id": message.message_id}).status_code == 403
+    )
 
 
 def test_a_cross_site_cancel_is_refused(broker, client, queue_name, db, db_schema):
@@ -377,9 +391,7 @@ def test_a_cross_site_cancel_is_refused(broker, client, queue_name, db, db_schem
     assert same.status_code == 303 and count(db, db_schema, "job_cancellations", message.message_id) == 1
 
 
-def test_mounted_under_a_prefix_the_search_the_list_and_the_cancel_redirect_carry_it(
-    broker, client_for, queue_name
-):
+def test_mounted_under_a_prefix_the_search_the_list_and_the_cancel_redirect_carry_it(broker, client_for, queue_name):
     message = send(broker, queue_name, 1)
     client = client_for(Starlette(routes=[Mount("/ops", app=create_app(broker=broker, access=full))]))
     page = client.get("/ops/jobs", params={"state": "waiting"}).text
