@@ -20,6 +20,7 @@ with is on its dead letter's page, which honours ``hide_args``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -102,9 +103,16 @@ def _missing(request: Request, id: str, error: str) -> Response:
     )
 
 
-def _look_up(request: Request, id: str) -> JobDetail:
+def _draw(request: Request, id: str, template: str, context: Callable[[JobDetail], dict[str, Any]]) -> Response:
+    """``template`` for the job ``id`` (looked up as ``jobs show`` does), or the 404 page."""
     settings = settings_of(request)
-    return job_detail(settings.reads.get(), settings.schema, id)
+    try:
+        found = job_detail(settings.reads.get(), settings.schema, id)
+    except JobNotFound as error:
+        return _missing(request, id, str(error))
+    status = found.status
+    label = STATE_LABELS.get(status.state, status.state)
+    return render(request, template, {"page": "jobs", "status": status, "label": label, **context(found)})
 
 
 # -- pages ---------------------------------------------------------------------------------------
@@ -117,23 +125,16 @@ def job(request: Request) -> Response:
         id = check_job_id(given)
     except ConfigurationError as error:
         return _bad(request, error, given[:200])
-    try:
-        found = _look_up(request, id)
-    except JobNotFound as error:
-        return _missing(request, id, str(error))
-    status = found.status
-    return render(
+    return _draw(
         request,
+        id,
         "job.html",
-        {
-            "page": "jobs",
-            "title": f"Job {status.message_id}",
-            "status": status,
-            "label": STATE_LABELS.get(status.state, status.state),
-            "searched": id if id != status.message_id else None,
+        lambda found: {
+            "title": f"Job {found.status.message_id}",
+            "searched": id if id != found.status.message_id else None,
             "cancellation": found.cancellation,
             "dead_letter_id": found.dead_letter_id,
-            "cancellable": status.state in CANCELLABLE,
+            "cancellable": found.status.state in CANCELLABLE,
         },
     )
 
@@ -193,20 +194,14 @@ async def cancel(request: Request) -> Response:
     except ConfigurationError as error:
         return _bad(request, error, given[:200])
     if form.get("confirm") != "1":
-        try:
-            found = await run_in_threadpool(_look_up, request, id)
-        except JobNotFound as error:
-            return _missing(request, id, str(error))
-        status = found.status
-        return render(
+        return await run_in_threadpool(
+            _draw,
             request,
+            id,
             "job_cancel.html",
-            {
-                "page": "jobs",
-                "title": f"Cancel job {status.message_id}",
-                "status": status,
-                "label": STATE_LABELS.get(status.state, status.state),
-                "effect": CANCEL_EFFECTS.get(status.state),
+            lambda found: {
+                "title": f"Cancel job {found.status.message_id}",
+                "effect": CANCEL_EFFECTS.get(found.status.state),
                 "reason": reason or "",
             },
         )

@@ -9,6 +9,7 @@ the failure record ``ClassifiedRetries`` writes (``record_failure``), the dead-l
 
 from __future__ import annotations
 
+import contextlib
 import html as html_module
 import re
 import uuid
@@ -63,18 +64,13 @@ def broker(
 @pytest.fixture
 def client_for(database_url: str, db_schema: str) -> Iterator[Any]:
     """``client_for(app=None, **create_app options)``: a loopback test client naming ``localhost``, closed after."""
-    clients: list[TestClient] = []
+    with contextlib.ExitStack() as opened:
 
-    def make(app: Any = None, **options: Any) -> TestClient:
-        options.setdefault("schema", db_schema)
-        client = TestClient(app or create_app(database_url, **options), client=LOOPBACK, base_url="http://localhost")
-        client.__enter__()
-        clients.append(client)
-        return client
+        def make(app: Any = None, **options: Any) -> TestClient:
+            app = app or create_app(database_url, **{"schema": db_schema, **options})
+            return opened.enter_context(TestClient(app, client=LOOPBACK, base_url="http://localhost"))
 
-    yield make
-    for client in clients:
-        client.__exit__(None, None, None)
+        yield make
 
 
 @pytest.fixture
