@@ -87,7 +87,7 @@ def create_app(
       queues: queues the overview always lists, besides those found in the tables.
       replay_max_age_ms: replays of jobs first sent longer ago are refused unless forced, as
         ``dead-letters replay --max-age`` (default 7 days); ``None`` never refuses.
-      page_size: rows per page of the dead-letter list.
+      page_size: rows per page of the dead-letter list, and the most jobs the jobs list shows.
       scan_interval_ms: how often the overview runs ``status``'s two full scans of the outbox
         (the queues it ever saw, the retries not yet due); in between it reads the backlog
         through the outbox's partial index and shows the retries counted by the last scan.
