@@ -20,7 +20,8 @@ from ..database import Database
 from .cancel import CancelRecord, get_cancellation
 from .lookup import JobStatus, show_job
 
-__all__ = ["JobDetail", "job_detail"]
+# Internal: the web page's; the public way to look a job up is show_job().
+__all__: list[str] = []
 
 
 @dataclasses.dataclass(frozen=True)
