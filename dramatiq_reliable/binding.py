@@ -44,16 +44,8 @@ from .errors import ConfigurationError, NotBound
 if TYPE_CHECKING:
     from .database import Database
 
-__all__ = [
-    "AmbientSource",
-    "ambient_connection",
-    "bind",
-    "bound_async_connection",
-    "bound_connection",
-    "bound_transaction",
-    "check_joinable",
-    "register_ambient",
-]
+# ambient_connection, bound_async_connection and check_joinable are for the send paths only.
+__all__ = ["AmbientSource", "bind", "bound_connection", "bound_transaction", "register_ambient"]
 
 AnyConnection = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
 
