@@ -1,68 +1,147 @@
-"""The transaction that ``actor.send()`` writes into: a psycopg connection bound to the current context.
+"""The transaction that ``actor.send()`` writes into: a connection bound to the current context.
 
 Binding is a :class:`contextvars.ContextVar`, so it follows the code that set it: each thread
 and each asyncio task sees its own binding, and a binding never leaks into the next message a
 worker thread processes.  Everything that writes on behalf of a job (the outbox broker, the
 ``Idempotency`` middleware) reads the same binding, which is what makes "consume, write, produce"
 one transaction.
+
+What can be bound:
+
+* a psycopg 3 ``Connection`` (``with bind(conn):``) or ``AsyncConnection`` (its sends are
+  ``await send_async(...)``; a plain ``send()`` inside an async binding is refused, because it
+  would have to commit on its own);
+* a SQLAlchemy ``Session`` or ``Connection`` on the psycopg driver (``with bind(session):``), and
+  an ``AsyncSession`` or ``AsyncConnection`` (``async with bind(session):``): the row commits or
+  rolls back with the session's transaction (see :mod:`dramatiq_reliable.sqlalchemy`).
+
+A psycopg2 connection is refused: every statement of ours is psycopg 3 (its ``sql`` module, its
+row factories, its pipeline), and a half-supported second driver is how a send ends up in the
+wrong transaction.  Django 4.2+ and SQLAlchemy 2 both run on psycopg 3 (``pip install psycopg``).
+
+Where nothing is bound, the send path asks the **ambient sources** (:func:`register_ambient`):
+integrations that can see a transaction the caller opened without binding it (Django's
+``transaction.atomic()``, a SQLAlchemy session bound by event).  A source returns the connection
+to join, or ``None`` when there is no transaction of its kind, or raises ``NotBound`` for one it
+sees but must not join; a send therefore never commits on its own inside a transaction we can
+detect.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, NotBound
 
 if TYPE_CHECKING:
     from .database import Database
 
-__all__ = ["bind", "bound_connection", "bound_transaction"]
+# ambient_connection, bound_async_connection and check_joinable are for the send paths only.
+__all__ = ["AmbientSource", "bind", "bound_connection", "bound_transaction", "register_ambient"]
 
-_bound: contextvars.ContextVar[psycopg.Connection[Any] | None] = contextvars.ContextVar(
+AnyConnection = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+
+_bound: contextvars.ContextVar[AnyConnection | None] = contextvars.ContextVar(
     "dramatiq_reliable_connection", default=None
 )
 
+_PSYCOPG2 = (
+    "psycopg2 connections cannot be bound: dramatiq-reliable writes with psycopg 3; "
+    "install psycopg ('pip install psycopg[binary]'): Django >= 4.2 uses it on its own, and SQLAlchemy "
+    "takes it with a 'postgresql+psycopg://' URL"
+)
 
-@contextlib.contextmanager
-def bind(conn: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
-    """Make ``actor.send()`` write its outbox rows on ``conn`` inside this block.
 
-    The rows become visible to the relay when ``conn``'s transaction commits and vanish if it
-    rolls back; committing stays the caller's job.  Bindings nest: the innermost one wins and
-    the outer one is restored on exit.
+def _check_open(conn: AnyConnection) -> AnyConnection:
+    if conn.closed or conn.broken:
+        raise ConfigurationError("bind() got a closed connection; bind an open psycopg connection")
+    if conn.info.transaction_status == TransactionStatus.INERROR:
+        raise ConfigurationError(
+            "bind() got a connection whose transaction failed (an earlier statement raised); roll it back first"
+        )
+    return conn
+
+
+def _unwrap(target: object) -> AnyConnection:
+    """The psycopg connection behind ``target`` (sync path: no awaiting)."""
+    if isinstance(target, (psycopg.Connection, psycopg.AsyncConnection)):
+        return _check_open(target)
+    module = type(target).__module__
+    if module.startswith("sqlalchemy."):
+        from . import sqlalchemy as _sa
+
+        return _check_open(_sa.driver_connection(target))
+    if module.startswith("psycopg2"):
+        raise ConfigurationError(_PSYCOPG2)
+    raise ConfigurationError(
+        f"bind() needs a psycopg connection or a SQLAlchemy Session/Connection, got {type(target).__name__!r}; "
+        "Django users need no bind() inside transaction.atomic() with 'dramatiq_reliable.django' installed"
+    )
+
+
+class bind:  # used as a function: with bind(conn): ...
+    """Make ``actor.send()`` write its rows on ``target``'s transaction inside this block.
+
+    The rows become visible when that transaction commits and vanish if it rolls back;
+    committing stays the caller's job.  Bindings nest: the innermost one wins and the outer one
+    is restored on exit.  ``target`` is a psycopg 3 connection (sync or async) or a SQLAlchemy
+    ``Session``/``Connection`` (``with``) or ``AsyncSession``/``AsyncConnection`` (``async with``).
 
     >>> with conn.transaction(), bind(conn):   # doctest: +SKIP
     ...     conn.execute("INSERT INTO orders ...")
     ...     send_receipt.send(order_id)
 
-    SQLAlchemy users bind ``session.connection().connection.driver_connection``; Django users
-    bind ``django.db.connection.connection`` inside ``transaction.atomic()`` (both with the
-    psycopg 3 driver).
+    Binding a closed connection, one in a failed transaction, or a psycopg2 connection raises
+    :class:`~dramatiq_reliable.ConfigurationError` naming the fix; nothing is bound.
     """
-    if not isinstance(conn, psycopg.Connection):
-        hint = ""
-        if isinstance(conn, psycopg.AsyncConnection):
-            hint = "; async connections are not supported, bind a sync psycopg.Connection"
-        elif hasattr(conn, "driver_connection") or hasattr(conn, "connection"):
-            hint = "; pass the underlying psycopg connection (SQLAlchemy: .connection.driver_connection)"
-        raise ConfigurationError(f"bind() needs a psycopg.Connection, got {type(conn).__name__!r}{hint}")
-    if conn.closed:
-        raise ConfigurationError("bind() got a closed connection; bind an open psycopg.Connection")
-    token = _bound.set(conn)
-    try:
-        yield conn
-    finally:
-        _bound.reset(token)
+
+    def __init__(self, target: object) -> None:
+        self._target = target
+        self._tokens: list[contextvars.Token[AnyConnection | None]] = []
+
+    def __enter__(self) -> Any:
+        conn = _unwrap(self._target)
+        self._tokens.append(_bound.set(conn))
+        return conn
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        _bound.reset(self._tokens.pop())
+
+    async def __aenter__(self) -> Any:
+        module = type(self._target).__module__
+        if module.startswith("sqlalchemy."):
+            from . import sqlalchemy as _sa
+
+            conn = _check_open(await _sa.async_driver_connection(self._target))
+        else:
+            conn = _unwrap(self._target)
+        self._tokens.append(_bound.set(conn))
+        return conn
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        _bound.reset(self._tokens.pop())
 
 
 def bound_connection() -> psycopg.Connection[Any] | None:
-    """The connection bound to the current context, or ``None`` outside any binding."""
-    return _bound.get()
+    """The sync connection bound to the current context, or ``None`` (nothing, or an async one, bound)."""
+    conn = _bound.get()
+    return conn if isinstance(conn, psycopg.Connection) else None
+
+
+def bound_async_connection() -> psycopg.AsyncConnection[Any] | None:
+    """The async connection bound to the current context, or ``None``."""
+    conn = _bound.get()
+    return conn if isinstance(conn, psycopg.AsyncConnection) else None
 
 
 @contextlib.contextmanager
@@ -74,3 +153,74 @@ def bound_transaction(database: Database) -> Iterator[psycopg.Connection[Any]]:
     """
     with database.connection() as conn, conn.transaction(), bind(conn):
         yield conn
+
+
+# -- joining a bound connection ------------------------------------------------------------------
+
+
+def check_joinable(conn: AnyConnection, database: Database, *, actor_name: str) -> None:
+    """Refuse a send that would not land in the caller's transaction, before any statement.
+
+    No round trip: everything checked is known to the client.  A connection in autocommit with
+    no transaction open would commit the row on its own (the outbox's whole point lost); one in
+    a failed transaction would refuse the insert; one on another database than the broker's
+    would leave the row where no relay or worker looks.
+    """
+    where = f"send() of actor {actor_name!r}"
+    if conn.closed or conn.broken:
+        raise NotBound(f"{where} on a bound connection that is closed; bind an open connection")
+    status = conn.info.transaction_status
+    if status == TransactionStatus.INERROR:
+        raise NotBound(
+            f"{where} in a failed transaction (an earlier statement raised); roll back and retry the transaction"
+        )
+    if conn.autocommit and status == TransactionStatus.IDLE:
+        raise NotBound(
+            f"{where} on a bound connection in autocommit with no transaction open: the message would commit "
+            "on its own; open one first ('with conn.transaction():')"
+        )
+    dbname, port = database.identity()
+    if (dbname is not None and conn.info.dbname != dbname) or (port is not None and conn.info.port != port):
+        raise NotBound(
+            f"{where} on a connection to database {conn.info.dbname!r} (port {conn.info.port}), but the broker "
+            f"uses {dbname!r} (port {port}); bind a connection to the broker's database"
+        )
+
+
+# -- ambient transactions ------------------------------------------------------------------------
+
+#: A function that, given the broker's database, returns the connection of a transaction the
+#: caller opened without binding it, ``None`` when there is none of its kind, or raises
+#: ``NotBound`` for one it sees but must not join.
+AmbientSource = Callable[["Database"], "psycopg.Connection[Any] | None"]
+
+_sources: list[AmbientSource] = []
+_sources_lock = threading.Lock()
+
+
+def register_ambient(source: AmbientSource) -> Callable[[], None]:
+    """Ask ``source`` for a transaction to join whenever a send finds nothing bound.
+
+    Returns a function that removes it again (registering the same source twice is a no-op).
+    Integrations call this once (Django's ``AppConfig.ready()``); applications rarely need to.
+    """
+    if not callable(source):
+        raise ConfigurationError(f"register_ambient() needs a callable, got {type(source).__name__!r}")
+    with _sources_lock:
+        if source not in _sources:
+            _sources.append(source)
+
+    def unregister() -> None:
+        with _sources_lock, contextlib.suppress(ValueError):
+            _sources.remove(source)
+
+    return unregister
+
+
+def ambient_connection(database: Database) -> psycopg.Connection[Any] | None:
+    """The connection of a transaction an ambient source sees, or ``None``; ``NotBound`` propagates."""
+    for source in tuple(_sources):
+        conn = source(database)
+        if conn is not None:
+            return conn
+    return None

@@ -84,6 +84,7 @@ class Database:
         self._timeout_s = timeout_ms / 1000
         self._lock = threading.Lock()
         self._opened = not self._owned
+        self._identity: tuple[str | None, int | None] | None = None
         self.pool: ConnectionPool[Any] = pool or ConnectionPool(
             url or "",
             kwargs=connection_kwargs(url or ""),
@@ -117,6 +118,22 @@ class Database:
     def conninfo(self) -> str:
         """The connection string of the pool (contains credentials: never log it)."""
         return str(self.pool.conninfo)
+
+    def identity(self) -> tuple[str | None, int | None]:
+        """The database name and port this pool connects to, as far as its conninfo says (no I/O).
+
+        ``None`` where the conninfo leaves it to libpq's defaults: a bound connection is then not
+        checked on that point rather than refused on a guess.
+        """
+        if self._identity is None:
+            try:
+                given = psycopg.conninfo.conninfo_to_dict(self.conninfo)
+            except psycopg.ProgrammingError:
+                given = {}
+            port = str(given.get("port") or "").split(",")[0]
+            dbname = given.get("dbname")
+            self._identity = (str(dbname) if dbname else None, int(port) if port.isdigit() else None)
+        return self._identity
 
     @contextlib.contextmanager
     def connection(self, *, timeout_ms: int | None = None) -> Iterator[psycopg.Connection[Any]]:

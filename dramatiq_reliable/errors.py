@@ -10,7 +10,7 @@ Every error here says what went wrong and ends with the fix, and every one is a
           │    └── TargetUnknown        the schema cannot tell whether messages go to the outbox or the queue table
           ├── SchemaNotReady            tables missing or behind; run 'dramatiq-reliable migrate'
           ├── PayloadError              (also TypeError) a message send() cannot encode or accept
-          ├── NotBound                  send() with no bound transaction under on_unbound="error"
+          ├── NotBound                  send() with no usable transaction: none under on_unbound="error", or one it must not join
           ├── OutboxWriteError          the outbox insert failed; the message was not stored
           ├── BrokerUnavailable         RabbitMQ unreachable while publishing; nothing was marked sent
           ├── QueueMismatch             a queue exists in RabbitMQ with another type or arguments than declared
@@ -122,7 +122,11 @@ class PayloadError(ReliableError, TypeError):
 
 
 class NotBound(ReliableError):
-    """``send()`` was called outside a bound transaction and the broker forbids that."""
+    """``send()`` found no transaction it may write in.
+
+    Raised outside any transaction when the broker has ``on_unbound="error"``, and always when the
+    transaction it would join is unusable (failed, autocommit, another database) or is async.
+    """
 
     __module__ = _PUBLIC_MODULE
 

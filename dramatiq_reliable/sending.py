@@ -9,7 +9,11 @@ else a send does is here, once:
   ``payload_limit_bytes`` raises :class:`~dramatiq_reliable.PayloadError` in the caller before
   a statement runs, so the caller's transaction is untouched and can still commit.
 * **Which transaction.**  Inside ``broker.transaction()`` or :func:`~dramatiq_reliable.bind`,
-  the row joins the bound transaction.  Elsewhere ``on_unbound="autocommit"`` commits it on a
+  the row joins the bound transaction, after a check (no round trip) that it is one: not a
+  connection in autocommit with no transaction open, not a failed transaction, not another
+  database (``NotBound`` names the fix).  Where nothing is bound, a transaction an ambient
+  source sees (Django's ``atomic()``, see :func:`~dramatiq_reliable.binding.register_ambient`)
+  is joined, and inside an async binding a plain ``send()`` is refused.  Elsewhere ``on_unbound="autocommit"`` commits it on a
   pooled connection before ``send()`` returns, and ``on_unbound="error"`` raises ``NotBound``.
 * **Sends a worker makes** (a retry, a pipeline's next step) are never refused and keep trying
   for ``worker_write_timeout_ms`` while Postgres is unreachable.  If they still cannot write,
@@ -48,7 +52,7 @@ from . import schema as _schema
 from ._checks import check_choice, check_int, check_ms
 from ._util import first_line, redact
 from .backing import SendsTo
-from .binding import bound_connection, bound_transaction
+from .binding import ambient_connection, bound_async_connection, bound_connection, bound_transaction, check_joinable
 from .database import Database, DatabaseLike
 from .errors import ConfigurationError, NotBound, OutboxWriteError, PayloadError, SchemaNotReady
 
@@ -334,7 +338,16 @@ class RowSending:
     def _write(self, message: Message[Any], row: Row, dedupe: tuple[str, int] | None = None) -> str:
         """Write the row; the id of the message sent (another one's when ``dedupe``'s key was held)."""
         conn = bound_connection()
+        if conn is None and bound_async_connection() is not None:
+            raise NotBound(
+                f"send() of actor {message.actor_name!r} inside an async binding: it would commit on its own, "
+                "outside that transaction; use 'await send_async(actor, ...)' in async code"
+            )
+        if conn is None:
+            # A transaction the caller opened without binding it (Django's atomic(), ...).
+            conn = ambient_connection(self.database)
         if conn is not None:
+            check_joinable(conn, self.database, actor_name=message.actor_name)
             return self._execute(conn, row, message, dedupe)
         in_worker = isinstance(threading.current_thread(), WorkerThread)
         if self.on_unbound == "error" and not in_worker:

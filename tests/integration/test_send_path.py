@@ -6,6 +6,7 @@ was: the business row written before it and a good send after it both commit.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +16,8 @@ import psycopg
 import pytest
 from dramatiq.common import current_millis
 
-from dramatiq_reliable import OutboxBroker, PayloadError, PostgresBroker
+from dramatiq_reliable import NotBound, OutboxBroker, PayloadError, PostgresBroker, bind
+from dramatiq_reliable.binding import register_ambient
 from dramatiq_reliable.sending import MAX_ETA_MS
 
 pytestmark = pytest.mark.integration
@@ -104,3 +106,78 @@ def test_a_delayed_send_stores_its_eta_on_both_brokers(
         (sent.message_id,),
     ).fetchone()
     assert before + 3_600_000 <= due <= current_millis() + 3_600_000
+
+
+# -- the bound connection must be a transaction send() may join -------------------------------------
+
+
+@pytest.mark.parametrize("state", ["autocommit-idle", "failed", "closed"])
+def test_a_send_on_a_bound_connection_in_the_wrong_state_is_refused_and_writes_nothing(
+    row_broker: Any, database_url: str, db: psycopg.Connection[Any], db_schema: str, state: str
+) -> None:
+    name = f"sp_{uuid.uuid4().hex[:8]}"
+    task = dramatiq.actor(lambda: None, actor_name=f"{name}_a", queue_name=name, broker=row_broker)
+    fix = {"autocommit-idle": "conn.transaction", "failed": "roll back", "closed": "open connection"}[state]
+    with psycopg.connect(database_url, autocommit=state == "autocommit-idle") as conn, bind(conn):
+        if state == "failed":
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                conn.execute("SELECT 1/0")
+        elif state == "closed":
+            conn.close()
+        with pytest.raises(NotBound, match=fix):
+            task.send()
+    assert _rows(db, db_schema, row_broker.table) == []
+
+
+def test_a_send_bound_to_another_database_is_refused(
+    row_broker: Any, database_url: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    other = f"sp_other_{uuid.uuid4().hex[:8]}"
+    db.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(other)))
+    try:
+        name = f"sp_{uuid.uuid4().hex[:8]}"
+        task = dramatiq.actor(lambda: None, actor_name=f"{name}_a", queue_name=name, broker=row_broker)
+        url = psycopg.conninfo.make_conninfo(database_url, dbname=other)
+        with (
+            psycopg.connect(url) as conn,
+            conn.transaction(),
+            bind(conn),
+            pytest.raises(NotBound, match="broker's database"),
+        ):
+            task.send()
+    finally:
+        db.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(psycopg.sql.Identifier(other)))
+    assert _rows(db, db_schema, row_broker.table) == []
+
+
+def test_a_transaction_an_ambient_source_sees_is_joined_and_rolls_back_with_it(
+    row_broker: Any, database_url: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    name = f"sp_{uuid.uuid4().hex[:8]}"
+    task = dramatiq.actor(lambda: None, actor_name=f"{name}_a", queue_name=name, broker=row_broker)
+    with psycopg.connect(database_url) as conn:
+        unregister = register_ambient(lambda database: conn)
+        try:
+            task.send()
+            conn.rollback()
+            assert _rows(db, db_schema, row_broker.table) == [], "the send rolled back with the ambient transaction"
+            sent = task.send()
+            conn.commit()
+        finally:
+            unregister()
+    assert [row[0] for row in _rows(db, db_schema, row_broker.table)] == [sent.message_id]
+
+
+async def _send_inside_async_binding(url: str, task: Any) -> None:
+    async with await psycopg.AsyncConnection.connect(url) as conn, conn.transaction(), bind(conn):
+        task.send()
+
+
+def test_a_plain_send_inside_an_async_binding_is_refused(
+    row_broker: Any, database_url: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    name = f"sp_{uuid.uuid4().hex[:8]}"
+    task = dramatiq.actor(lambda: None, actor_name=f"{name}_a", queue_name=name, broker=row_broker)
+    with pytest.raises(NotBound, match="send_async"):
+        asyncio.run(_send_inside_async_binding(database_url, task))
+    assert _rows(db, db_schema, row_broker.table) == []

@@ -25,7 +25,7 @@ def test_bind_rejects_what_is_not_a_psycopg_connection_and_says_what_to_pass():
     class SqlAlchemyLike:
         driver_connection = None
 
-    with pytest.raises(ConfigurationError, match="driver_connection"), bind(SqlAlchemyLike()):  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="SQLAlchemy Session"), bind(SqlAlchemyLike()):  # type: ignore[arg-type]
         pass
     assert bound_connection() is None
 
