@@ -64,9 +64,9 @@ class _Held:
 
     message: Message[Any]
     xid: str
-    #: where to read the transaction's fate: the bound connection's parameters (credentials
-    #: included, so never logged), or ``None`` for the broker's own database
-    conninfo: str | None
+    #: where to read the transaction's fate: the bound connection's server, by its parameters
+    #: (credentials included, so never shown)
+    conninfo: str
 
 
 class _Block:
@@ -187,9 +187,8 @@ class InMemoryBroker(StubBroker):
             conn.cursor(row_factory=dict_row).execute(_sql.query("stub_transaction_id", _sql.DEFAULT_SCHEMA)).fetchone()
         )
         assert row is not None
-        conninfo = None if self.database is not None else _conninfo_of(conn)
         with self._lock:
-            self._held.append(_Held(message, str(row["xid"]), conninfo))
+            self._held.append(_Held(message, str(row["xid"]), _conninfo_of(conn)))
 
     def _deliver(self, message: Message[Any]) -> None:
         with self._lock:
@@ -224,16 +223,11 @@ class InMemoryBroker(StubBroker):
             return [send.message for send in self._held] + (list(block.sends) if block is not None else [])
 
     def _fate(self, send: _Held) -> str | None:
+        reader = self._readers.get(send.conninfo)
+        if reader is None or reader.closed:
+            reader = self._readers[send.conninfo] = psycopg.connect(send.conninfo, autocommit=True)
         query = _sql.query("stub_transaction_status", _sql.DEFAULT_SCHEMA)
-        if send.conninfo is None:
-            assert self.database is not None
-            with self.database.autocommit() as conn:
-                row = conn.cursor(row_factory=dict_row).execute(query, {"xid": send.xid}).fetchone()
-        else:
-            reader = self._readers.get(send.conninfo)
-            if reader is None or reader.closed:
-                reader = self._readers[send.conninfo] = psycopg.connect(send.conninfo, autocommit=True)
-            row = reader.cursor(row_factory=dict_row).execute(query, {"xid": send.xid}).fetchone()
+        row = reader.cursor(row_factory=dict_row).execute(query, {"xid": send.xid}).fetchone()
         return None if row is None else cast("str | None", row["status"])
 
     # -- running jobs --------------------------------------------------------------------------------
