@@ -1,8 +1,9 @@
 """The pytest plugin (entry point ``pytest11``): fixtures for testing your own actors.
 
-Installed with the package and loaded by pytest on its own; it only registers its option and
-fixtures, and imports nothing until a test asks for one of them.  Every fixture name starts with
-``reliable_`` so it cannot shadow a fixture of the project under test.
+Installed with the package and loaded by pytest on its own (``-p no:dramatiq_reliable`` turns it
+off).  Loading it imports the package, which its dotted path requires, and registers an option
+and the fixtures; each fixture imports what it needs when a test asks for it.  Every fixture
+name starts with ``reliable_`` so it cannot shadow a fixture of the project under test.
 
 * ``reliable_broker``: an :class:`~dramatiq_reliable.testing.InMemoryBroker` as Dramatiq's global
   broker for the test: yours, emptied, if the global broker already is one; else a new one with
