@@ -289,3 +289,17 @@ def test_loading_the_plugin_imports_nothing_beyond_the_package() -> None:
     extra = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
     assert "dramatiq_reliable.testing.plugin" in extra
     assert [name for name in extra if not name.startswith(("dramatiq_reliable.testing", "dramatiq.brokers.stub"))] == []
+
+
+def test_a_broker_the_fixture_built_is_global_only_during_its_test(pytester: pytest.Pytester) -> None:
+    before = dramatiq.broker.global_broker
+    pytester.makepyfile(
+        """
+        import dramatiq
+
+        def test_it_is_the_global_broker(reliable_broker):
+            assert dramatiq.get_broker() is reliable_broker
+        """
+    )
+    pytester.runpytest().assert_outcomes(passed=1)
+    assert dramatiq.broker.global_broker is before
