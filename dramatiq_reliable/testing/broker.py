@@ -30,11 +30,12 @@ from collections.abc import Iterator
 from typing import Any, NoReturn, cast
 
 import psycopg
+from dramatiq.asyncio import get_event_loop_thread
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.common import current_millis, dq_name, q_name
 from dramatiq.message import Message
-from dramatiq.middleware import Middleware, SkipMessage
+from dramatiq.middleware import AsyncIO, Middleware, SkipMessage
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 
@@ -121,6 +122,8 @@ class InMemoryBroker(StubBroker):
         self._lock = threading.Lock()
         # autocommit connections that read the fate of held sends' transactions, by conninfo
         self._readers: dict[str, psycopg.Connection[Any]] = {}
+        # the AsyncIO middleware whose event loop drain() started (see _start_event_loop)
+        self._event_loop: AsyncIO | None = None
 
     # -- sending -----------------------------------------------------------------------------------
 
@@ -241,6 +244,7 @@ class InMemoryBroker(StubBroker):
         drain: its exception is raised again here, with a note naming the message, after the
         middleware saw it (so a retry it scheduled stays queued for the next drain).
         """
+        self._start_event_loop()
         ran = 0
         while True:
             self.settle()
@@ -254,6 +258,18 @@ class InMemoryBroker(StubBroker):
                 )
             ran += 1
             self._run(message)
+
+    def _start_event_loop(self) -> None:
+        """Async actors run on the event loop of Dramatiq's ``AsyncIO`` middleware, which a worker starts at
+        boot: here ``drain()`` is the worker, so the first drain starts it (unless one runs already) and
+        :meth:`close` stops it."""
+        if self._event_loop is not None or get_event_loop_thread() is not None:
+            return
+        for middleware in self.middleware:
+            if isinstance(middleware, AsyncIO):
+                middleware.before_worker_boot(self, None)  # type: ignore[no-untyped-call]
+                self._event_loop = middleware
+                return
 
     def _next(self) -> Message[Any] | None:
         """The next job: the first waiting in a queue, else the first delayed one (time does not pass in a test)."""
@@ -313,8 +329,12 @@ class InMemoryBroker(StubBroker):
         super().join(queue_name, timeout=timeout, fail_fast=fail_fast)
 
     def close(self) -> None:
-        """Close the connections that read held sends' transactions, and the database this broker opened."""
+        """Stop the event loop a drain started, close the connections that read held sends' transactions,
+        and the database this broker opened."""
         super().close()
+        if self._event_loop is not None:
+            self._event_loop.after_worker_shutdown(self, None)  # type: ignore[no-untyped-call]
+            self._event_loop = None
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()

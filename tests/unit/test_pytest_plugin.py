@@ -4,12 +4,15 @@ Postgres are tested in tests/integration/test_pytest_plugin_postgres.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
 import dramatiq
 import dramatiq.broker
 import pytest
+from dramatiq.asyncio import get_event_loop_thread
+from dramatiq.middleware import AsyncIO
 
 from dramatiq_reliable import ConfigurationError, PayloadError
 from dramatiq_reliable.testing import (
@@ -303,3 +306,27 @@ def test_a_broker_the_fixture_built_is_global_only_during_its_test(pytester: pyt
     )
     pytester.runpytest().assert_outcomes(passed=1)
     assert dramatiq.broker.global_broker is before
+
+
+def test_an_async_actor_runs_in_drain_and_its_error_is_raised() -> None:
+    """Dramatiq's AsyncIO middleware starts its event loop when a worker boots; drain() starts it, close() stops it."""
+    broker = InMemoryBroker(middleware=[AsyncIO()])
+    seen: list[int] = []
+    try:
+
+        @dramatiq.actor(broker=broker)
+        async def fetch(n: int) -> None:
+            await asyncio.sleep(0)
+            if n == 2:
+                raise LookupError(f"page {n} is gone")
+            seen.append(n)
+
+        fetch.send(1)
+        assert broker.drain() == 1
+        fetch.send(2)
+        with pytest.raises(LookupError, match="page 2 is gone"):
+            broker.drain()
+        assert seen == [1]
+    finally:
+        broker.close()
+    assert get_event_loop_thread() is None
