@@ -36,14 +36,13 @@ from dramatiq.brokers.stub import StubBroker
 from dramatiq.common import current_millis, dq_name, q_name
 from dramatiq.message import Message
 from dramatiq.middleware import AsyncIO, Middleware, SkipMessage
-from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 
 from .. import _sql
 from .._checks import check_int
-from ..binding import bound_connection, bound_transaction
+from ..binding import ambient_connection, bound_async_connection, bound_connection, bound_transaction, check_joinable
 from ..database import Database, DatabaseLike
-from ..errors import ConfigurationError, OutboxWriteError, PayloadError
+from ..errors import ConfigurationError, NotBound, PayloadError
 from ..sending import validate_send
 
 __all__ = ["InMemoryBroker"]
@@ -161,8 +160,17 @@ class InMemoryBroker(StubBroker):
             message = message.copy(queue_name=dq_name(canonical), options={"eta": current_millis() + delay})
         self.emit_before("enqueue", message, delay)
         conn = bound_connection()
+        if conn is None and bound_async_connection() is not None:
+            raise NotBound(
+                f"send() of actor {message.actor_name!r} inside an async binding: it would commit on its own, "
+                "outside that transaction; use 'await send_async(actor, ...)' in async code"
+            )
+        if conn is None and self.database is not None:
+            conn = ambient_connection(self.database)  # Django's atomic(), as the Postgres brokers join it
         block = self._block()
         if conn is not None:
+            # The Postgres brokers' refusals, so a test sees what production would.
+            check_joinable(conn, self.database, actor_name=message.actor_name)
             self._hold(conn, message)
         elif block is not None:
             block.sends.append(message)
@@ -177,15 +185,6 @@ class InMemoryBroker(StubBroker):
         return block if block is not None and block.broker is self else None
 
     def _hold(self, conn: psycopg.Connection[Any], message: Message[Any]) -> None:
-        status = conn.info.transaction_status
-        if status == TransactionStatus.IDLE and conn.autocommit:
-            self._deliver(message)  # outside a transaction block an autocommit connection commits at once
-            return
-        if status == TransactionStatus.INERROR:
-            raise OutboxWriteError(
-                f"could not send message {message.message_id!r} for actor {message.actor_name!r}: the bound "
-                "transaction has already failed; roll it back and send again"
-            )
         row = (
             conn.cursor(row_factory=dict_row).execute(_sql.query("stub_transaction_id", _sql.DEFAULT_SCHEMA)).fetchone()
         )

@@ -8,7 +8,7 @@ import dramatiq
 import psycopg
 import pytest
 
-from dramatiq_reliable import bind
+from dramatiq_reliable import NotBound, bind
 from dramatiq_reliable.testing import InMemoryBroker, assert_enqueued, assert_not_enqueued
 
 pytest_plugins = ["pytester"]
@@ -76,13 +76,19 @@ def test_a_send_bound_to_a_real_transaction_waits_for_it(reliable_broker: InMemo
     assert reliable_broker.drain() == 1
 
 
-def test_an_autocommit_connection_delivers_at_once(reliable_broker: InMemoryBroker, database_url: str) -> None:
+def test_a_bound_autocommit_connection_is_refused_as_the_postgres_brokers_refuse_it(
+    reliable_broker: InMemoryBroker, database_url: str
+) -> None:
     @dramatiq.actor
     def ship(order_id: int) -> None: ...
 
     with psycopg.connect(database_url, autocommit=True) as conn, bind(conn):
-        ship.send(3)
-        assert_enqueued(ship, 3)
+        with pytest.raises(NotBound, match="autocommit"):
+            ship.send(3)
+        with conn.transaction():
+            ship.send(4)
+    assert_not_enqueued(ship, 3)
+    assert_enqueued(ship, 4)
 
 
 def test_job_connection_runs_under_the_real_idempotency_middleware(
