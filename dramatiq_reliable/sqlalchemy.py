@@ -17,7 +17,8 @@ import psycopg
 
 from .errors import ConfigurationError
 
-__all__ = ["async_driver_connection", "driver_connection"]
+# Internal: the names below are used by bind(), not by applications.
+__all__: list[str] = []
 
 _ASYNC = ("AsyncSession", "AsyncConnection", "async_scoped_session")
 
