@@ -26,6 +26,4 @@ class DramatiqReliableConfig(AppConfig):  # type: ignore[misc]  # Django ships n
         from ._settings import get_broker
 
         dramatiq.set_broker(get_broker())
-        if not getattr(type(self), "_registered", False):
-            register_ambient(django_transaction)
-            type(self)._registered = True
+        register_ambient(django_transaction)  # once: registering the same source again is a no-op
