@@ -74,3 +74,21 @@ def test_a_cross_site_post_from_staff_is_refused_by_the_page(django_broker):
     response = client.post("/jobs/outbox/retry", HTTP_SEC_FETCH_SITE="cross-site")
     assert response.status_code == 403
     assert b"cross-site request refused" in response.content
+
+
+def test_the_page_answers_under_django_asgi_too(django_broker):
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+    from django.test import AsyncClient
+
+    staff = _user("eve", staff=True)
+
+    async def fetch() -> Any:
+        client = AsyncClient()
+        await sync_to_async(client.force_login)(staff)
+        return await client.get("/jobs/dead-letters")
+
+    response = asyncio.run(fetch())
+    assert response.status_code == 200
+    assert _access(response.content.decode()) == "full · eve"
