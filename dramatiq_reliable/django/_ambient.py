@@ -24,10 +24,10 @@ def django_transaction(database: Database) -> psycopg.Connection[Any] | None:
     elsewhere: list[str] = []
     for wrapper in connections.all(initialized_only=True):
         # ATOMIC_REQUESTS and atomic() set in_atomic_block; AUTOCOMMIT=False leaves a transaction open too.
-        if not wrapper.in_atomic_block and (wrapper.connection is None or wrapper.get_autocommit()):
+        # Attributes only: Django's methods refuse to run in an event loop's thread, a send may not.
+        if wrapper.connection is None or (not wrapper.in_atomic_block and wrapper.autocommit):
             continue
         if wrapper.vendor == "postgresql" and same_database(wrapper.alias, database):
-            wrapper.ensure_connection()
             return check_psycopg3(wrapper.connection, wrapper.alias)
         elsewhere.append(wrapper.alias)
     if elsewhere:
