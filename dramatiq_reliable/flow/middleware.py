@@ -43,6 +43,8 @@ logger = logging.getLogger("dramatiq_reliable.rate_limits")
 SLOT_KEY = "rate_limit_slot"
 #: The message option counting postponements: kept apart from ``retries`` (and ``max_retries``).
 POSTPONED_KEY = "rate_limit_postponed"
+#: The message option marking a job that came back too late for its token once (see ``_reserved``).
+LATE_KEY = "rate_limit_late"
 #: How late after its slot a job back with a reserved token may still call (at least one step
 #: of its limit): later, it would call together with the jobs of the next slots.
 _LATE_MS = 10
@@ -209,13 +211,12 @@ class RateLimits(Middleware):
             return
         limit, key = found
         database, schema = self.database_for(broker)
-        slot = message.options.pop(SLOT_KEY, None)
         try:
             with database.autocommit() as conn:
                 if not self._checked:
                     ensure_ready(conn, schema=schema, required=RATE_LIMITS_VERSION, feature="rate limits")
                     self._checked = True
-                got = self._reserved(conn, schema, key, slot, limit) or take(conn, schema, limit, key)
+                got = self._reserved(conn, schema, key, message, limit) or take(conn, schema, limit, key)
         except (psycopg.Error, OSError, TimeoutError, SchemaNotReady) as error:
             raise DatabaseUnavailable(
                 f"RateLimits could not take a token of {key!r} for message {message.message_id!r}: "
@@ -246,19 +247,25 @@ class RateLimits(Middleware):
         )
 
     def _reserved(
-        self, conn: psycopg.Connection[Any], schema: str, key: str, slot: object, limit: RateLimit
+        self, conn: psycopg.Connection[Any], schema: str, key: str, message: MessageProxy, limit: RateLimit
     ) -> Take | None:
         """The outcome for a job back with a reserved token, or ``None`` when it must take one.
 
         It runs at its slot (waiting in place for what is left of it), unless a 429 paused the
-        key past that slot since, or it came back so late that running now would bunch with the calls of later
-        slots: then its token is lost and it takes a new one.
+        key past that slot since, or it came back so late that running now would bunch with the
+        calls of later slots: then its token is lost and it takes a new one.  Only once: a broker
+        whose delays always come back that late would otherwise never run it.
         """
+        slot = message.options.pop(SLOT_KEY, None)
         if not (isinstance(slot, dict) and slot.get("key") == key and is_int(slot.get("at_ms"))):
             return None
         ahead_ms, paused_ms = slot_ahead(conn, schema, key, slot["at_ms"])
-        if paused_ms > ahead_ms or ahead_ms < -max(_LATE_MS, limit.interval_ms):
+        if paused_ms and paused_ms > ahead_ms:
             return None
+        if ahead_ms < -max(_LATE_MS, limit.interval_ms) and not message.options.get(LATE_KEY):
+            message.options[LATE_KEY] = True
+            return None
+        message.options.pop(LATE_KEY, None)
         return Take(granted=False, wait_ms=max(0, ahead_ms), slot_ms=slot["at_ms"], paused=False)
 
     def _postpone(

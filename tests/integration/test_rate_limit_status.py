@@ -1,19 +1,25 @@
-"""Limited keys are visible: the bucket rows as status, the health reading and the web page show them."""
+"""Rate limits on real Postgres: the bucket rows, what status, the health reading and the web page show,
+and postponement through the outbox."""
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import dramatiq
 import psycopg
 import pytest
+from dramatiq.middleware import Callbacks, CurrentMessage
 from starlette.testclient import TestClient
 
+from dramatiq_reliable import WorkerRelay
 from dramatiq_reliable.cli.status import render_table
-from dramatiq_reliable.flow import RateLimit, limited_keys
+from dramatiq_reliable.flow import RateLimit, RateLimits, limited_keys
 from dramatiq_reliable.flow.rate_limit import pause, take
 from dramatiq_reliable.health import collect_health
+from dramatiq_reliable.testing import wait_for
 from dramatiq_reliable.web import create_app
 
 pytestmark = pytest.mark.integration
@@ -68,3 +74,31 @@ def test_the_web_page_lists_the_limited_keys(conn: psycopg.Connection[Any], db_s
     assert page.status_code == 200
     assert 'data-key="mailer:a"' in page.text
     assert "(503)" in page.text
+
+
+def test_on_an_outbox_broker_jobs_without_a_token_are_postponed_through_the_outbox_not_retried(
+    broker: Any, queue_name: str, worker: Any, seen: list[Any]
+) -> None:
+    # hold_ms=0: no token is waited for in a thread, every wait goes through the outbox.
+    broker.add_middleware(RateLimits([RateLimit("api", per_second=10)], hold_ms=0), before=Callbacks)
+    broker.add_middleware(WorkerRelay(poll_interval_ms=50))
+    broker.add_middleware(CurrentMessage())
+    runs: list[tuple[float, int, int]] = []
+
+    @dramatiq.actor(queue_name=queue_name, broker=broker, rate_limit="api", max_retries=0)
+    def call(n: int) -> None:
+        message = CurrentMessage.get_current_message()
+        assert message is not None
+        runs.append((time.monotonic(), message.options.get("retries", 0), n))
+
+    worker.start()
+    with broker.transaction():
+        for n in range(6):
+            call.send(n)
+    wait_for(lambda: len(runs) >= 6, timeout_ms=15_000, message="the six calls did not all run")
+    assert sorted(n for _, _, n in runs) == list(range(6))  # each once: postponed, not lost nor doubled
+    assert all(retries == 0 for _, retries, _ in runs)  # a postponement is no retry
+    times = sorted(at for at, _, _ in runs)
+    assert times[-1] - times[0] >= 0.5 - 0.05  # 6 calls at 10/s, burst 1: half a second at least
+    postponed = [e for e in seen if e.name == "rate_limit.postponed"]
+    assert postponed and {e.key for e in postponed} == {"api"}
