@@ -233,7 +233,7 @@ class RateLimits(Middleware):
         if got.wait_ms <= self.hold_ms:
             # A token this close is waited for in place: a trip through the queue would come
             # back later than the token (consumers poll for due rows), and late calls bunch.
-            time.sleep(got.wait_ms / 1000)
+            time.sleep(max(0.0, got.asked_at + got.wait_ms / 1000 - time.monotonic()))
             return
         # Back hold_ms early, to wait out the rest in place (outside the connection's block: the
         # postponed copy is written on another one).
@@ -259,6 +259,7 @@ class RateLimits(Middleware):
         slot = message.options.pop(SLOT_KEY, None)
         if not (isinstance(slot, dict) and slot.get("key") == key and is_int(slot.get("at_ms"))):
             return None
+        asked_at = time.monotonic()
         ahead_ms, paused_ms = slot_ahead(conn, schema, key, slot["at_ms"])
         if paused_ms and paused_ms > ahead_ms:
             return None
@@ -266,7 +267,7 @@ class RateLimits(Middleware):
             message.options[LATE_KEY] = True
             return None
         message.options.pop(LATE_KEY, None)
-        return Take(granted=False, wait_ms=max(0, ahead_ms), slot_ms=slot["at_ms"], paused=False)
+        return Take(granted=False, wait_ms=max(0, ahead_ms), slot_ms=slot["at_ms"], paused=False, asked_at=asked_at)
 
     def _postpone(
         self, broker: Broker, message: MessageProxy, key: str, slot: dict[str, Any], delay_ms: int, *, paused: bool

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -151,16 +152,22 @@ class Registry:
 
 @dataclasses.dataclass(frozen=True)
 class Take:
-    """The outcome of one take: granted now, or a slot ``wait_ms`` ahead (``paused``: by a 429)."""
+    """The outcome of one take: granted now, or a slot ``wait_ms`` ahead (``paused``: by a 429).
+
+    ``asked_at`` is ``time.monotonic()`` just before the statement, whose clock ``wait_ms`` is
+    counted from: a wait in place ends at ``asked_at + wait_ms``, not a round trip later.
+    """
 
     granted: bool
     wait_ms: int
     slot_ms: int
     paused: bool
+    asked_at: float = 0.0
 
 
 def take(conn: psycopg.Connection[Any], schema: str, limit: RateLimit, key: str) -> Take:
     """Take a token of ``key`` now, or reserve the next one (see the module docstring)."""
+    asked_at = time.monotonic()
     row = (
         conn.cursor(row_factory=dict_row)
         .execute(
@@ -175,6 +182,7 @@ def take(conn: psycopg.Connection[Any], schema: str, limit: RateLimit, key: str)
         wait_ms=max(0, int(row["wait_ms"])),
         slot_ms=int(row["slot_ms"]),
         paused=bool(row["paused"]),
+        asked_at=asked_at,
     )
 
 
