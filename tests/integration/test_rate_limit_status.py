@@ -11,12 +11,14 @@ from typing import Any
 import dramatiq
 import psycopg
 import pytest
-from dramatiq.middleware import Callbacks, CurrentMessage
+from dramatiq.broker import MessageProxy
+from dramatiq.middleware import Callbacks, CurrentMessage, SkipMessage
 from starlette.testclient import TestClient
 
 from dramatiq_reliable import WorkerRelay
 from dramatiq_reliable.cli.status import render_table
 from dramatiq_reliable.flow import RateLimit, RateLimits, limited_keys
+from dramatiq_reliable.flow.middleware import LATE_KEY, SLOT_KEY
 from dramatiq_reliable.flow.rate_limit import pause, take
 from dramatiq_reliable.health import collect_health
 from dramatiq_reliable.testing import wait_for
@@ -25,6 +27,7 @@ from dramatiq_reliable.web import create_app
 pytestmark = pytest.mark.integration
 
 LIMIT = RateLimit("mailer", per_second=10, burst=2)
+API = RateLimit("api", per_second=10)
 
 
 @pytest.fixture
@@ -102,3 +105,43 @@ def test_on_an_outbox_broker_jobs_without_a_token_are_postponed_through_the_outb
     assert times[-1] - times[0] >= 0.5 - 0.05  # 6 calls at 10/s, burst 1: half a second at least
     postponed = [e for e in seen if e.name == "rate_limit.postponed"]
     assert postponed and {e.key for e in postponed} == {"api"}
+
+
+def _proxy_with_slot(actor: Any, at_ms: int) -> MessageProxy:
+    proxy = MessageProxy(actor.message(1))
+    proxy.options[SLOT_KEY] = {"key": "api", "at_ms": at_ms}
+    return proxy
+
+
+def test_a_job_that_reserved_a_token_inside_a_later_pause_does_not_call_during_it(
+    pg_broker: Any, conn: psycopg.Connection[Any], db_schema: str
+) -> None:
+    limits = RateLimits([API], hold_ms=0)
+    pg_broker.add_middleware(limits)
+    actor = dramatiq.actor(lambda n: None, actor_name="api_call", broker=pg_broker, rate_limit="api")
+    now_ms = int(time.time() * 1000)
+    pause(conn, db_schema, API, "api", pause_ms=5_000, status=429, message_id="m-1")
+    with pytest.raises(SkipMessage, match=r"rate limit 'api': no token; the message was postponed by \d+ ms"):
+        limits.before_process_message(pg_broker, _proxy_with_slot(actor, now_ms))
+    (state,) = limited_keys(conn, db_schema)
+    assert state.paused_until_ms is not None
+    assert state.waiting == 1  # it took a token after the pause instead
+
+
+def test_a_job_back_far_too_late_for_its_token_takes_a_new_one_once_then_runs(
+    pg_broker: Any, conn: psycopg.Connection[Any], db_schema: str
+) -> None:
+    limits = RateLimits([API], hold_ms=0)
+    pg_broker.add_middleware(limits)
+    actor = dramatiq.actor(lambda n: None, actor_name="api_call", broker=pg_broker, rate_limit="api")
+    for _ in range(3):  # the bucket is busy: a new take is postponed
+        take(conn, db_schema, API, "api")
+    stale = int(time.time() * 1000) - 2_000
+    first = _proxy_with_slot(actor, stale)
+    with pytest.raises(SkipMessage):
+        limits.before_process_message(pg_broker, first)  # late: its old token would bunch, a new one is due
+    assert first.options[LATE_KEY] is True
+    again = _proxy_with_slot(actor, stale)
+    again.options[LATE_KEY] = True
+    limits.before_process_message(pg_broker, again)  # late twice: it runs rather than wait for ever
+    assert LATE_KEY not in again.options
