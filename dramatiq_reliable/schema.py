@@ -36,6 +36,7 @@ __all__ = [
     "LONG_JOBS_VERSION",
     "OUTBOX_VERSION",
     "QUEUE_VERSION",
+    "RATE_LIMITS_VERSION",
     "SCHEDULER_VERSION",
     "Migration",
     "current_version",
@@ -64,6 +65,8 @@ JOBS_VERSION = 10
 DEDUPE_VERSION = 11
 # Cancellations (jobs cancel, the Cancellation middleware): created by 12.
 CANCEL_VERSION = 12
+# Rate limits per key (the rate_limit_buckets table of RateLimits): created by 13.
+RATE_LIMITS_VERSION = 13
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 

@@ -244,6 +244,7 @@ def render_table(health: Health) -> str:
             f"long jobs running under a lease: {long_jobs}"
             + (f", {expired} past their lease (worker gone; a relay requeues them)" if expired else "")
         )
+    notes.extend(item.describe() for item in health.rate_limits)
     return "\n".join([text, *(f"({note})" for note in notes)])
 
 
