@@ -1,0 +1,365 @@
+"""Order per key: jobs with the same ``order_key`` run one at a time, in send order, on every worker.
+
+**At send time** the job gets its place in its key's sequence: a row in ``order_jobs`` written
+in the sender's transaction, from a ``before_enqueue`` hook (the send path itself is untouched).
+Senders of one key take a per-key lock until they commit, so the sequence is the order of their
+commits; inside one transaction it is the order of the ``send()`` calls.  A send with nothing
+bound opens a short transaction of its own for the row and the message together, so neither is
+written without the other (a place whose message never came would hold the key for ever).
+
+**At consume time** only the head of a key (its lowest place) runs, under a lease on
+``order_keys`` that a heartbeat renews.  A job delivered before its turn is *parked*: its body is
+kept on its ``order_jobs`` row and the delivery acked, so nothing spins through the queue; the
+head's completion deletes its row and sends the next job again, in the same transaction.  Other
+keys are never held up.  A failed head stays the head: a retry keeps its place and the key
+waits for it; a head that dies (a dead letter) parks its key until the dead letter is replayed
+(the replay runs as the head) or discarded (the heartbeat's sweep frees the key).  A killed
+worker's lease lapses after ``lease_ms`` and the sweep hands the key on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import threading
+from typing import Any
+
+import dramatiq
+import psycopg
+from dramatiq.broker import Broker, MessageProxy
+from dramatiq.errors import ActorNotFound
+from dramatiq.message import Message
+from dramatiq.middleware import Middleware, SkipMessage
+from dramatiq.worker import WorkerThread
+from psycopg.rows import dict_row
+
+from .. import _sql, events
+from .._checks import check_ms
+from .._util import first_line
+from ..backing import backing_of
+from ..binding import ambient_connection, bind, bound_connection, check_joinable
+from ..database import Database, DatabaseLike
+from ..errors import ActorOptionError, ConfigurationError, DatabaseUnavailable
+from ..idempotency._connections import autocommit
+from ._keyed import Heartbeat, check_key_option, derive_key, new_owner, parked_body, send_woken
+
+__all__ = ["ORDER_SEQ_OPTION", "OrderParked", "OrderedKeys", "order_waiting"]
+
+logger = logging.getLogger("dramatiq_reliable.flow.order")
+
+DEFAULT_LEASE_MS = 30_000
+#: The message option holding the job's place in its key's sequence (retries and replays keep it).
+ORDER_SEQ_OPTION = "order_seq"
+# How many keys one heartbeat frees.
+_SWEEP_LIMIT = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderParked(events.Event):
+    """A job was delivered before its turn (or while its key's head runs) and waits in Postgres."""
+
+    name = "order.parked"
+    actor_name: str
+    message_id: str
+    key: str
+    seq: int
+
+
+@dataclasses.dataclass
+class _Head:
+    key: str
+    seq: int
+    token: int
+    message_id: str
+    #: Sent again while it ran (a retry, a postponement): its row must stay.
+    requeued: bool = False
+
+
+_current: contextvars.ContextVar[_Head | None] = contextvars.ContextVar("dramatiq_reliable_order", default=None)
+# Transactions a send opened for itself (nothing was bound), closed by after_enqueue(_failed).
+_own: contextvars.ContextVar[tuple[str, contextlib.ExitStack] | None] = contextvars.ContextVar(
+    "dramatiq_reliable_order_send", default=None
+)
+
+
+class OrderedKeys(Middleware):
+    """Jobs of one ``order_key`` run one at a time, in send order; other keys run alongside.
+
+    Actor option:
+      order_key: a callable over the actor's arguments giving the key, e.g.
+        ``lambda account_id, *_: f"account-{account_id}"``.
+
+    A key function that raises or gives no usable string fails closed: at send time the send
+    raises :class:`~dramatiq_reliable.ActorOptionError` naming the actor (nothing is written);
+    a delivered message of an ordered actor that carries no place (sent by a process without
+    this middleware) is not run but dead-lettered, so a replay can give it one.  ``order_key``
+    cannot be combined with a ``dedupe_key`` (a duplicate writes no message, and its place would
+    hold the key for ever).
+
+    Needs an ``OutboxBroker`` or ``PostgresBroker``.  Add it after ``Singleton`` and
+    :class:`ConcurrencyLimit` (they may postpone a message it lets run) and before
+    ``Idempotency``:
+
+    >>> broker.add_middleware(OrderedKeys())  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, *, database: DatabaseLike | None = None, schema: str | None = None, lease_ms: int = DEFAULT_LEASE_MS
+    ) -> None:
+        check_ms("lease_ms", lease_ms, minimum=300, fix="e.g. lease_ms=30_000, longer than a GC pause or a failover")
+        self.schema: str | None = None if schema is None else _sql.validate_schema(schema)
+        self.lease_ms = lease_ms
+        self.owner = new_owner()
+        self._own_database = Database.of(database) if database is not None else None
+        self._target: tuple[Database, str] | None = None
+        self._held: dict[int, _Head] = {}
+        self._lock = threading.Lock()
+        self._heartbeat: Heartbeat | None = None
+
+    @property
+    def actor_options(self) -> set[str]:
+        return {"order_key"}
+
+    def database_for(self, broker: Broker) -> tuple[Database, str]:
+        """The database and schema of ``broker``'s key sequences."""
+        if self._target is None:
+            backing = backing_of(
+                broker, needed_by="OrderedKeys", database=self._own_database, schema=self.schema, error=ActorOptionError
+            )
+            self._target = (backing.database, backing.schema)
+        return self._target
+
+    def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
+        if check_key_option(actor, "order_key", "lambda account_id, *_: f'account-{account_id}'") is None:
+            return
+        if actor.options.get("dedupe_key") is not None:
+            raise ActorOptionError(
+                f"actor {actor.actor_name!r} has both order_key and dedupe_key; a deduplicated send writes no message "
+                "and its place would hold the key for ever: remove one of them"
+            )
+        self.database_for(broker)
+
+    # -- sending ------------------------------------------------------------------------------
+
+    def before_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
+        held = _current.get()
+        if held is not None and held.message_id == message.message_id:
+            held.requeued = True
+        if ORDER_SEQ_OPTION in message.options:
+            return  # a retry, a postponement or a replay: it keeps its place
+        derive = self._derive_of(broker, message.actor_name)
+        if derive is None:
+            return
+        key = derive_key(derive, "order_key", message)
+        if message.options.get("dedupe_key") is not None:
+            raise ActorOptionError(
+                f"message {message.message_id!r} of actor {message.actor_name!r} has an order_key and a dedupe_key; "
+                "send it without dedupe_key"
+            )
+        database, schema = self.database_for(broker)
+        conn = bound_connection() or ambient_connection(database)
+        if conn is None:
+            if getattr(broker, "on_unbound", "autocommit") == "error" and not _in_worker():
+                return  # the send itself raises NotBound, naming the fix
+            conn = self._open_own(database, message.message_id)
+        else:
+            check_joinable(conn, database, actor_name=message.actor_name)
+        row = (
+            conn.cursor(row_factory=dict_row)
+            .execute(
+                _sql.rendered("order_send", schema),
+                {
+                    "lock": f"dramatiq_reliable.order:{schema}:{key}",
+                    "key": key,
+                    "message_id": message.message_id,
+                    "actor_name": message.actor_name,
+                },
+            )
+            .fetchone()
+        )
+        assert row is not None
+        message.options[ORDER_SEQ_OPTION] = int(row["seq"])
+
+    def after_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
+        self._close_own(message.message_id, None)
+
+    def after_enqueue_failed(
+        self, broker: Broker, message: Message[Any], delay: int | None, *, exception: BaseException
+    ) -> None:
+        self._close_own(message.message_id, exception)
+
+    def _open_own(self, database: Database, message_id: str) -> psycopg.Connection[Any]:
+        stack = contextlib.ExitStack()
+        try:
+            conn = stack.enter_context(database.connection())
+            stack.enter_context(conn.transaction())
+            stack.enter_context(bind(conn))
+        except BaseException:
+            stack.close()
+            raise
+        _own.set((message_id, stack))
+        return conn
+
+    @staticmethod
+    def _close_own(message_id: str, error: BaseException | None) -> None:
+        own = _own.get()
+        if own is None or own[0] != message_id:
+            return
+        _own.set(None)
+        if error is None:
+            own[1].close()  # commits: the place and the message together
+        else:
+            own[1].__exit__(type(error), error, error.__traceback__)
+
+    def _derive_of(self, broker: Broker, actor_name: str) -> Any:
+        try:
+            return broker.get_actor(actor_name).options.get("order_key")
+        except ActorNotFound:
+            return None
+
+    # -- running ------------------------------------------------------------------------------
+
+    def before_worker_boot(self, broker: Broker, worker: Any) -> None:
+        mine = broker.middleware.index(self)
+        for index, other in enumerate(broker.middleware):
+            if index > mine and type(other).__name__ in ("Singleton", "ConcurrencyLimit"):
+                raise ConfigurationError(
+                    f"{type(other).__name__} comes after OrderedKeys in the broker's middleware: a message it parks "
+                    "or postpones would lose its place; add OrderedKeys after it"
+                )
+
+    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
+        if any(broker.get_actor(n).options.get("order_key") for n in broker.get_declared_actors()):
+            self._heartbeat = Heartbeat("dramatiq-reliable-order", self.lease_ms // 3, lambda: self._beat(broker))
+            self._heartbeat.start()
+
+    def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        _current.set(None)
+        if self._derive_of(broker, message.actor_name) is None:
+            return
+        if ORDER_SEQ_OPTION not in message.options:
+            error = ActorOptionError(
+                f"message {message.message_id!r} of actor {message.actor_name!r} has no place in its order_key's "
+                "sequence (it was sent by a process without OrderedKeys); it was not run: add OrderedKeys to the "
+                "sender's broker and replay the dead letter"
+            )
+            logger.error("%s", error)
+            message.fail()
+            raise SkipMessage(str(error))
+        database, schema = self.database_for(broker)
+        try:
+            with database.connection() as conn, autocommit(conn):
+                row = (
+                    conn.cursor(row_factory=dict_row)
+                    .execute(
+                        _sql.rendered("order_take", schema),
+                        {
+                            "message_id": message.message_id,
+                            "owner": self.owner,
+                            "lease_ms": self.lease_ms,
+                            "queue_name": message.queue_name,
+                            "body": parked_body(message),
+                        },
+                    )
+                    .fetchone()
+                )
+        except (psycopg.Error, OSError, TimeoutError) as error:
+            raise DatabaseUnavailable(
+                f"OrderedKeys could not look up message {message.message_id!r} of actor {message.actor_name!r}: "
+                f"{type(error).__name__}: {first_line(error)}; the actor did not run and the message will be retried "
+                "once Postgres answers"
+            ) from error
+        assert row is not None
+        if row["outcome"] == "unknown":
+            raise SkipMessage(f"message {message.message_id!r} is done already (its place is gone); a redelivery")
+        if row["outcome"] == "parked":
+            events.emit(OrderParked(message.actor_name, message.message_id, row["key"], int(row["seq"])))
+            raise SkipMessage(f"order key {row['key']!r}: not its turn; the message was parked")
+        head = _Head(row["key"], int(row["seq"]), int(row["token"]), message.message_id)
+        with self._lock:
+            self._held[threading.get_ident()] = head
+        _current.set(head)
+
+    def after_process_message(
+        self, broker: Broker, message: MessageProxy, *, result: Any | None = None, exception: BaseException | None = None
+    ) -> None:
+        # A failure keeps the job at the head: its retry (or its dead letter's replay) runs next.
+        self._release(broker, message, done=exception is None)
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        # Skipped after it took the key: cancelled or a duplicate is done; sent again is not.
+        head = _current.get()
+        self._release(broker, message, done=head is not None and not head.requeued and not message.failed)
+
+    def after_nack(self, broker: Broker, message: MessageProxy) -> None:
+        if self._derive_of(broker, message.actor_name) is None:
+            return
+        database, schema = self.database_for(broker)
+        try:
+            with database.connection() as conn, autocommit(conn):
+                conn.execute(_sql.rendered("order_dead", schema), {"message_id": message.message_id})
+        except Exception:
+            logger.warning("could not mark message %s dead in its key's order", message.message_id, exc_info=True)
+
+    def _release(self, broker: Broker, message: MessageProxy, *, done: bool) -> None:
+        head = _current.get()
+        if head is None or head.message_id != message.message_id:
+            return
+        _current.set(None)
+        with self._lock:
+            self._held.pop(threading.get_ident(), None)
+        database, schema = self.database_for(broker)
+        params = {"key": head.key, "seq": head.seq, "token": head.token, "done": done}
+        try:
+            with database.connection() as conn, conn.transaction(), bind(conn):
+                rows = conn.cursor(row_factory=dict_row).execute(_sql.rendered("order_release", schema), params)
+                send_woken(broker, rows.fetchall())
+        except Exception:
+            logger.warning(
+                "could not free order key %r after message %s; its lease lapses after %d ms",
+                head.key,
+                head.message_id,
+                self.lease_ms,
+                exc_info=True,
+            )
+
+    def _beat(self, broker: Broker) -> None:
+        self.renew(broker)
+        self.sweep(broker)
+
+    def renew(self, broker: Broker) -> None:
+        """Push back the lease of every key whose head this process runs (the heartbeat calls it)."""
+        with self._lock:
+            held = list(self._held.values())
+        if not held:
+            return
+        database, schema = self.database_for(broker)
+        with database.connection() as conn, autocommit(conn):
+            conn.execute(
+                _sql.query("order_renew", schema),
+                {"lease_ms": self.lease_ms, "keys": [h.key for h in held], "tokens": [h.token for h in held]},
+            )
+
+    def sweep(self, broker: Broker) -> int:
+        """Free the keys of killed workers and of discarded dead heads; returns how many parked heads were sent."""
+        database, schema = self.database_for(broker)
+        with database.connection() as conn, conn.transaction(), bind(conn):
+            rows = conn.cursor(row_factory=dict_row).execute(_sql.query("order_sweep", schema), {"limit": _SWEEP_LIMIT})
+            return send_woken(broker, rows.fetchall())
+
+
+def _in_worker() -> bool:
+    return isinstance(threading.current_thread(), WorkerThread)
+
+
+def order_waiting(conn: psycopg.Connection[Any], *, schema: str, limit: int = 20) -> list[dict[str, Any]]:
+    """The keys with jobs waiting, dead heads first: ``key``, ``waiting``, ``head_state``, ``head_message_id``,
+    ``oldest_sent_at``."""
+    cursor = conn.cursor(row_factory=dict_row)
+    return cursor.execute(_sql.query("order_waiting", _sql.validate_schema(schema)), {"limit": limit}).fetchall()

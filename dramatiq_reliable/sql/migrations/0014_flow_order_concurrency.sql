@@ -1,0 +1,242 @@
+-- Concurrency per key and order per key (flow/concurrency.py, flow/order.py).
+-- Each decision (take a slot or park, run the head or park, release and wake the next) is one
+-- function call: one round trip, and the lock it takes makes "park" and "wake" exclusive, so a
+-- message never parks just after the release that should have woken it.
+
+CREATE SEQUENCE {schema}.flow_tokens;
+
+-- One row per running job of a key with a concurrency limit; a dead worker's rows lapse.
+CREATE TABLE {schema}.concurrency_slots (
+    key          text        NOT NULL,
+    -- fencing token, also the slot's identity: a run releases its own slot, never a successor's
+    token        bigint      NOT NULL,
+    message_id   text        NOT NULL,
+    owner        text        NOT NULL,
+    acquired_at  timestamptz NOT NULL DEFAULT now(),
+    expires_at   timestamptz NOT NULL,
+    PRIMARY KEY (key, token)
+);
+CREATE INDEX concurrency_slots_expires ON {schema}.concurrency_slots (expires_at);
+
+-- Messages that found their key full: out of the broker's queue, woken oldest first per key.
+CREATE TABLE {schema}.concurrency_parked (
+    id           bigserial   PRIMARY KEY,
+    key          text        NOT NULL,
+    message_id   text        NOT NULL,
+    actor_name   text        NOT NULL,
+    queue_name   text        NOT NULL,
+    body         bytea       NOT NULL,
+    parked_at    timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX concurrency_parked_key ON {schema}.concurrency_parked (key, id);
+
+-- Take a slot of p_key (the token back) or park the message (NULL back).  The advisory lock is
+-- per key and per transaction, so it is safe behind PgBouncer in transaction mode.
+CREATE FUNCTION {schema}.concurrency_take(
+    p_lock text, p_key text, p_limit int, p_message_id text, p_actor_name text, p_owner text,
+    p_lease_ms bigint, p_queue_name text, p_body bytea
+) RETURNS bigint LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+DECLARE
+    live int;
+    taken bigint;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_lock, 0));
+    SELECT count(*) INTO live FROM concurrency_slots
+     WHERE key = p_key AND expires_at > now();
+    IF live < p_limit THEN
+        INSERT INTO concurrency_slots (key, token, message_id, owner, expires_at)
+        VALUES (p_key, nextval('flow_tokens'), p_message_id, p_owner,
+                now() + p_lease_ms * interval '1 millisecond')
+        RETURNING token INTO taken;
+        RETURN taken;
+    END IF;
+    INSERT INTO concurrency_parked (key, message_id, actor_name, queue_name, body)
+    VALUES (p_key, p_message_id, p_actor_name, p_queue_name, p_body);
+    RETURN NULL;
+END $$;
+
+-- Free the slot of a run and hand its place to the oldest parked message of the key (returned,
+-- for the caller to send in this same transaction).  A slot already lapsed and swept was handed
+-- on by the sweep: nothing is woken twice.
+CREATE FUNCTION {schema}.concurrency_release(p_lock text, p_key text, p_token bigint)
+RETURNS TABLE (message_id text, queue_name text, body bytea) LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_lock, 0));
+    DELETE FROM concurrency_slots AS s WHERE s.key = p_key AND s.token = p_token;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    DELETE FROM concurrency_parked AS p
+     WHERE p.id = (SELECT q.id FROM concurrency_parked AS q WHERE q.key = p_key ORDER BY q.id LIMIT 1)
+    RETURNING p.message_id, p.queue_name, p.body;
+END $$;
+
+-- Hand the places of lapsed slots (killed workers) to parked messages, one each; returned to be
+-- sent in this transaction.  p_lock_prefix || key is the lock concurrency_take uses.
+CREATE FUNCTION {schema}.concurrency_sweep(p_lock_prefix text, p_limit int)
+RETURNS TABLE (message_id text, queue_name text, body bytea) LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+DECLARE
+    k text;
+    freed int;
+BEGIN
+    FOR k IN SELECT DISTINCT s.key FROM concurrency_slots AS s WHERE s.expires_at < now() LIMIT p_limit LOOP
+        PERFORM pg_advisory_xact_lock(hashtextextended(p_lock_prefix || k, 0));
+        DELETE FROM concurrency_slots AS s WHERE s.key = k AND s.expires_at < now();
+        GET DIAGNOSTICS freed = ROW_COUNT;
+        RETURN QUERY
+        DELETE FROM concurrency_parked AS p
+         WHERE p.id IN (SELECT q.id FROM concurrency_parked AS q WHERE q.key = k ORDER BY q.id LIMIT freed)
+        RETURNING p.message_id, p.queue_name, p.body;
+    END LOOP;
+END $$;
+
+-- Per key sequences of ordered jobs: one row per job sent and not yet done; the head of a key is
+-- its lowest seq.  Senders of one key are serialised by an advisory lock until they commit, so
+-- seq order is commit order.
+CREATE SEQUENCE {schema}.order_seq;
+
+CREATE TABLE {schema}.order_jobs (
+    key          text        NOT NULL,
+    seq          bigint      NOT NULL,
+    message_id   text        NOT NULL UNIQUE,
+    actor_name   text        NOT NULL,
+    -- waiting (sent, or between attempts), parked (delivered before its turn; body kept here),
+    -- running, dead (failed for good: its successors wait until it is replayed or discarded)
+    state        text        NOT NULL DEFAULT 'waiting',
+    sent_at      timestamptz NOT NULL DEFAULT now(),
+    queue_name   text,
+    body         bytea,
+    PRIMARY KEY (key, seq),
+    CONSTRAINT order_jobs_state CHECK (state IN ('waiting', 'parked', 'running', 'dead'))
+);
+CREATE INDEX order_jobs_state ON {schema}.order_jobs (state) WHERE state IN ('parked', 'dead');
+
+-- The lease of each key's running head: a dead worker's lapses and the sweep frees the key.
+CREATE TABLE {schema}.order_keys (
+    key          text        PRIMARY KEY,
+    holder_seq   bigint,
+    token        bigint,
+    owner        text,
+    expires_at   timestamptz
+);
+CREATE INDEX order_keys_expires ON {schema}.order_keys (expires_at) WHERE holder_seq IS NOT NULL;
+
+CREATE FUNCTION {schema}.order_send(p_lock text, p_key text, p_message_id text, p_actor_name text)
+RETURNS bigint LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+DECLARE
+    given bigint;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_lock, 0));
+    INSERT INTO order_jobs (key, seq, message_id, actor_name)
+    VALUES (p_key, nextval('order_seq'), p_message_id, p_actor_name)
+    ON CONFLICT (message_id) DO NOTHING
+    RETURNING seq INTO given;
+    IF given IS NULL THEN
+        SELECT j.seq INTO given FROM order_jobs AS j WHERE j.message_id = p_message_id;
+    END IF;
+    RETURN given;
+END $$;
+
+-- At consume time: 'run' (this is its key's head and nobody runs it: the lease is taken),
+-- 'parked' (not its turn, or its head runs elsewhere: the body waits here) or 'unknown' (no row:
+-- the job is done, a redelivery of it is a duplicate).
+CREATE FUNCTION {schema}.order_take(
+    p_message_id text, p_owner text, p_lease_ms bigint, p_queue_name text, p_body bytea
+) RETURNS TABLE (outcome text, key text, seq bigint, token bigint) LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+DECLARE
+    k text;
+    s bigint;
+    head bigint;
+    held_seq bigint;
+    held_until timestamptz;
+    t bigint;
+BEGIN
+    SELECT j.key, j.seq INTO k, s FROM order_jobs AS j WHERE j.message_id = p_message_id;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT 'unknown'::text, NULL::text, NULL::bigint, NULL::bigint;
+        RETURN;
+    END IF;
+    INSERT INTO order_keys AS o (key) VALUES (k)
+    ON CONFLICT ON CONSTRAINT order_keys_pkey DO UPDATE SET key = o.key
+    RETURNING o.holder_seq, o.expires_at INTO held_seq, held_until;
+    SELECT min(j.seq) INTO head FROM order_jobs AS j WHERE j.key = k;
+    IF s <> head OR (held_seq IS NOT NULL AND held_until > now()) THEN
+        UPDATE order_jobs AS j
+           SET state = CASE WHEN s <> head THEN 'parked' ELSE j.state END,
+               queue_name = p_queue_name, body = p_body
+         WHERE j.key = k AND j.seq = s;
+        RETURN QUERY SELECT 'parked'::text, k, s, NULL::bigint;
+        RETURN;
+    END IF;
+    UPDATE order_keys AS o
+       SET holder_seq = s, token = nextval('flow_tokens'), owner = p_owner,
+           expires_at = now() + p_lease_ms * interval '1 millisecond'
+     WHERE o.key = k
+    RETURNING o.token INTO t;
+    UPDATE order_jobs AS j SET state = 'running', queue_name = NULL, body = NULL
+     WHERE j.key = k AND j.seq = s;
+    RETURN QUERY SELECT 'run'::text, k, s, t;
+END $$;
+
+-- Free the key after a run.  p_done: the job is finished (ran, or will never run): its row goes
+-- and the next job of the key, if it was parked, is returned to be sent in this transaction.
+-- Otherwise (a failure: a retry or a dead letter follows) the job stays the head.
+CREATE FUNCTION {schema}.order_release(p_key text, p_seq bigint, p_token bigint, p_done boolean)
+RETURNS TABLE (message_id text, queue_name text, body bytea) LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+BEGIN
+    PERFORM 1 FROM order_keys AS o WHERE o.key = p_key FOR UPDATE;
+    UPDATE order_keys AS o SET holder_seq = NULL, token = NULL, owner = NULL, expires_at = NULL
+     WHERE o.key = p_key AND o.token = p_token;
+    IF NOT p_done THEN
+        UPDATE order_jobs AS j SET state = 'waiting'
+         WHERE j.key = p_key AND j.seq = p_seq AND j.state = 'running';
+        RETURN;
+    END IF;
+    DELETE FROM order_jobs AS j WHERE j.key = p_key AND j.seq = p_seq;
+    RETURN QUERY SELECT * FROM order_wake(p_key);
+END $$;
+
+-- The head of p_key, if it was parked: marked waiting and returned to be sent.
+CREATE FUNCTION {schema}.order_wake(p_key text)
+RETURNS TABLE (message_id text, queue_name text, body bytea) LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+DECLARE
+    nxt record;
+BEGIN
+    SELECT j.seq, j.message_id, j.queue_name, j.body INTO nxt
+      FROM order_jobs AS j WHERE j.key = p_key ORDER BY j.seq LIMIT 1;
+    IF FOUND AND nxt.body IS NOT NULL THEN
+        UPDATE order_jobs AS j SET state = 'waiting', queue_name = NULL, body = NULL
+         WHERE j.key = p_key AND j.seq = nxt.seq;
+        RETURN QUERY SELECT nxt.message_id, nxt.queue_name, nxt.body;
+    END IF;
+END $$;
+
+-- Free the keys whose holder stopped renewing its lease (a killed worker), and the keys whose dead
+-- head was discarded from the dead letters; the parked heads to send are returned.
+CREATE FUNCTION {schema}.order_sweep(p_limit int)
+RETURNS TABLE (message_id text, queue_name text, body bytea) LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+DECLARE
+    k text;
+    s bigint;
+BEGIN
+    FOR k IN SELECT o.key FROM order_keys AS o
+              WHERE o.holder_seq IS NOT NULL AND o.expires_at < now()
+              ORDER BY o.expires_at LIMIT p_limit FOR UPDATE SKIP LOCKED LOOP
+        UPDATE order_keys AS o SET holder_seq = NULL, token = NULL, owner = NULL, expires_at = NULL WHERE o.key = k;
+        RETURN QUERY SELECT * FROM order_wake(k);
+    END LOOP;
+    FOR k, s IN SELECT j.key, j.seq FROM order_jobs AS j
+                 WHERE j.state = 'dead'
+                   AND EXISTS (SELECT 1 FROM dead_letters AS d
+                                WHERE d.message_id = j.message_id AND d.state = 'discarded')
+                   AND NOT EXISTS (SELECT 1 FROM dead_letters AS d
+                                    WHERE d.message_id = j.message_id AND d.state = 'dead')
+                 LIMIT p_limit LOOP
+        PERFORM 1 FROM order_keys AS o WHERE o.key = k FOR UPDATE;
+        DELETE FROM order_jobs AS j WHERE j.key = k AND j.seq = s AND j.state = 'dead';
+        IF FOUND THEN
+            RETURN QUERY SELECT * FROM order_wake(k);
+        END IF;
+    END LOOP;
+END $$;

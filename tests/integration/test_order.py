@@ -1,0 +1,124 @@
+"""Order per key against real Postgres (and RabbitMQ): one job of a key at a time, in send order."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+from dramatiq.middleware import Callbacks
+from psycopg import sql
+
+from dramatiq_reliable import ActorOptionError, DeadLetterFilter, DeadLetters, OutboxBroker, PostgresBroker, WorkerRelay
+from dramatiq_reliable.dead_letters import PostgresDeadLetterStore
+from dramatiq_reliable.flow import OrderedKeys, order_waiting
+from dramatiq_reliable.testing import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(params=["postgres", "outbox"])
+def ordered(request: pytest.FixtureRequest, database_url: str, db_schema: str) -> Iterator[Any]:
+    """A broker of each kind with OrderedKeys (lease 1 s) and DeadLetters; the global broker."""
+    if request.param == "postgres":
+        broker: Any = PostgresBroker(database=database_url, schema=db_schema, lease_ms=2000)
+    else:
+        broker = OutboxBroker(
+            url=request.getfixturevalue("rabbitmq_url"), database=database_url, schema=db_schema
+        )
+        broker.add_middleware(WorkerRelay(poll_interval_ms=20))
+    broker.add_middleware(OrderedKeys(lease_ms=1000), before=Callbacks)
+    broker.add_middleware(DeadLetters())
+    dramatiq.set_broker(broker)
+    yield broker
+    broker.close()
+
+
+@pytest.fixture
+def queue(ordered: Any, request: pytest.FixtureRequest) -> str:
+    if isinstance(ordered, OutboxBroker):
+        return str(request.getfixturevalue("queue_name"))
+    return "ordered"
+
+
+@pytest.fixture
+def worker(ordered: Any) -> Iterator[dramatiq.Worker]:
+    instance = dramatiq.Worker(ordered, worker_timeout=50, worker_threads=4)
+    yield instance
+    instance.stop()
+
+
+def _rows(db: psycopg.Connection[Any], schema: str) -> list[tuple[Any, ...]]:
+    query = sql.SQL("SELECT key, seq, state FROM {} ORDER BY key, seq").format(sql.Identifier(schema, "order_jobs"))
+    return db.execute(query).fetchall()
+
+
+def test_jobs_of_a_key_run_one_at_a_time_in_send_order_and_other_keys_run_alongside(
+    ordered: Any, queue: str, worker: dramatiq.Worker, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    runs: list[tuple[str, int, str]] = []
+    running: dict[str, int] = {}
+    overlap: list[str] = []
+    lock = threading.Lock()
+
+    @dramatiq.actor(queue_name=queue, broker=ordered, order_key=lambda account, n: f"acct-{account}")
+    def sync(account: str, n: int) -> None:
+        with lock:
+            running[account] = running.get(account, 0) + 1
+            if running[account] > 1:
+                overlap.append(account)
+            others = [k for k, v in running.items() if v and k != account]
+            runs.append((account, n, ",".join(others)))
+        time.sleep(0.01)
+        with lock:
+            running[account] -= 1
+
+    with ordered.transaction():
+        for n in range(8):
+            for account in ("a", "b", "c"):
+                sync.send(account, n)
+    worker.start()
+    wait_for(lambda: len(runs) == 24, timeout_ms=30_000, message=f"not every job ran: {runs}")
+    assert not overlap, f"two jobs of one key ran at once: {overlap}"
+    for account in ("a", "b", "c"):
+        assert [n for a, n, _ in runs if a == account] == list(range(8))
+    assert any(others for *_, others in runs), "the keys never ran alongside each other"
+    wait_for(lambda: not _rows(db, db_schema), message="the finished jobs left their places behind")
+
+
+def test_a_retrying_head_keeps_its_place_and_a_dead_one_parks_its_key_until_replayed(
+    ordered: Any, queue: str, worker: dramatiq.Worker, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    runs: list[tuple[str, int]] = []
+    failures = {("a", 1): 1, ("a", 2): 99}  # a1 fails once (retried), a2 fails for good
+
+    @dramatiq.actor(
+        queue_name=queue, broker=ordered, order_key=lambda account, n: account, max_retries=1, min_backoff=50,
+        max_backoff=100,
+    )
+    def step(account: str, n: int) -> None:
+        runs.append((account, n))
+        if failures.get((account, n), 0) > 0:
+            failures[(account, n)] -= 1
+            raise RuntimeError(f"step {account}{n} failed")
+
+    with ordered.transaction():
+        for n in range(4):
+            step.send("a", n)
+        step.send("b", 0)
+    worker.start()
+    wait_for(lambda: ("b", 0) in runs and runs.count(("a", 2)) == 2, timeout_ms=30_000, message=f"runs: {runs}")
+    wait_for(lambda: _rows(db, db_schema)[:1] == [("a", 3, "dead")], message=f"a2 not dead: {_rows(db, db_schema)}")
+    assert [r for r in runs if r[0] == "a"] == [("a", 0), ("a", 1), ("a", 1), ("a", 2), ("a", 2)]
+    assert [(row["key"], row["head_state"], row["waiting"]) for row in order_waiting(db, schema=db_schema)] == [
+        ("a", "dead", 2)
+    ]
+    failures[("a", 2)] = 0
+    PostgresDeadLetterStore.from_broker(ordered).replay(where=DeadLetterFilter(), force=True)
+    wait_for(lambda: ("a", 3) in runs, timeout_ms=15_000, message=f"the replay did not release the key: {runs}")
+    assert [r for r in runs if r[0] == "a"][-3:] == [("a", 2), ("a", 2), ("a", 3)]
+    wait_for(lambda: not _rows(db, db_schema), message="places left behind")
