@@ -122,4 +122,6 @@ class Heartbeat:
             try:
                 self._beat()
             except Exception:
-                logger.warning("%s heartbeat failed; leases lapse unless the next one succeeds", self._name, exc_info=True)
+                logger.warning(
+                    "%s heartbeat failed; leases lapse unless the next one succeeds", self._name, exc_info=True
+                )

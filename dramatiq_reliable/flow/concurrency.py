@@ -158,9 +158,7 @@ class ConcurrencyLimit(Middleware):
 
     def after_worker_boot(self, broker: Broker, worker: Any) -> None:
         if any(broker.get_actor(n).options.get("concurrency_limit") for n in broker.get_declared_actors()):
-            self._heartbeat = Heartbeat(
-                "dramatiq-reliable-concurrency", self.lease_ms // 3, lambda: self._beat(broker)
-            )
+            self._heartbeat = Heartbeat("dramatiq-reliable-concurrency", self.lease_ms // 3, lambda: self._beat(broker))
             self._heartbeat.start()
 
     def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
@@ -219,7 +217,12 @@ class ConcurrencyLimit(Middleware):
         _current.set(slot)
 
     def after_process_message(
-        self, broker: Broker, message: MessageProxy, *, result: Any | None = None, exception: BaseException | None = None
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any | None = None,
+        exception: BaseException | None = None,
     ) -> None:
         self._release(broker, message)
 

@@ -41,7 +41,7 @@ from .._util import first_line
 from ..backing import backing_of
 from ..binding import ambient_connection, bind, bound_connection, check_joinable
 from ..database import Database, DatabaseLike
-from ..errors import ActorOptionError, ConfigurationError, DatabaseUnavailable
+from ..errors import ActorOptionError, DatabaseUnavailable
 from ..idempotency._connections import autocommit
 from ._keyed import Heartbeat, check_key_option, derive_key, new_owner, parked_body, send_woken
 
@@ -139,6 +139,7 @@ class OrderedKeys(Middleware):
                 f"actor {actor.actor_name!r} has both order_key and dedupe_key; a deduplicated send writes no message "
                 "and its place would hold the key for ever: remove one of them"
             )
+        self._check_position(broker)
         self.database_for(broker)
 
     # -- sending ------------------------------------------------------------------------------
@@ -222,10 +223,14 @@ class OrderedKeys(Middleware):
     # -- running ------------------------------------------------------------------------------
 
     def before_worker_boot(self, broker: Broker, worker: Any) -> None:
-        mine = broker.middleware.index(self)
+        self._check_position(broker)
+
+    def _check_position(self, broker: Broker) -> None:
+        # A MiddlewareError (ActorOptionError is one) is the only kind Dramatiq lets out of a hook.
+        mine = broker.middleware.index(self) if self in broker.middleware else -1
         for index, other in enumerate(broker.middleware):
-            if index > mine and type(other).__name__ in ("Singleton", "ConcurrencyLimit"):
-                raise ConfigurationError(
+            if index > mine >= 0 and type(other).__name__ in ("Singleton", "ConcurrencyLimit"):
+                raise ActorOptionError(
                     f"{type(other).__name__} comes after OrderedKeys in the broker's middleware: a message it parks "
                     "or postpones would lose its place; add OrderedKeys after it"
                 )
@@ -287,7 +292,12 @@ class OrderedKeys(Middleware):
         _current.set(head)
 
     def after_process_message(
-        self, broker: Broker, message: MessageProxy, *, result: Any | None = None, exception: BaseException | None = None
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any | None = None,
+        exception: BaseException | None = None,
     ) -> None:
         # A failure keeps the job at the head: its retry (or its dead letter's replay) runs next.
         self._release(broker, message, done=exception is None)

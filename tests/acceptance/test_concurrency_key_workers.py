@@ -75,9 +75,7 @@ def test_a_worker_killed_while_holding_a_slot_frees_it_after_the_lease(
     try:
         wait_for(lambda: db.execute(runs).fetchall(), timeout_ms=30_000, message="the first worker never ran job 0")
         _send(sender, queue, "t", range(1, 2))
-        wait_for(
-            lambda: _count(db, db_schema, "concurrency_parked") == 1, message="job 1 was not parked behind job 0"
-        )
+        wait_for(lambda: _count(db, db_schema, "concurrency_parked") == 1, message="job 1 was not parked behind job 0")
         doomed.send_signal(signal.SIGKILL)
         doomed.wait(timeout=10)
     finally:

@@ -75,3 +75,29 @@ def test_no_more_than_the_limit_of_a_key_run_at_once_and_every_parked_job_runs(
     assert sorted(n for t, n in done if t == "big") == list(range(6))
     assert _count(db, db_schema, "concurrency_slots") == 0
     assert _count(db, db_schema, "concurrency_parked") == 0
+
+
+def test_a_key_function_that_raises_fails_closed_the_job_does_not_run(
+    limited: PostgresBroker, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    runs: list[Any] = []
+
+    @dramatiq.actor(
+        queue_name="limited", broker=limited, concurrency_limit=1, concurrency_limit_key=lambda job: job["tenant"]
+    )
+    def export(job: Any) -> None:
+        runs.append(job)
+
+    export.send({"tenant": 5})  # a key that is no string
+    export.send({"tenant": "t"})
+    worker = dramatiq.Worker(limited, worker_timeout=50, worker_threads=1)
+    worker.start()
+    try:
+        wait_for(lambda: runs == [{"tenant": "t"}], message="the job with a good key did not run")
+        dead = sql.SQL("SELECT count(*) FROM {} WHERE queue_name = 'limited.XQ'").format(
+            sql.Identifier(db_schema, "queue")
+        )
+        wait_for(lambda: db.execute(dead).fetchone() == (1,), message="the bad key's message was not failed")
+    finally:
+        worker.stop()
+    assert _count(db, db_schema, "concurrency_slots") == 0

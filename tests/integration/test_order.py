@@ -27,9 +27,7 @@ def ordered(request: pytest.FixtureRequest, database_url: str, db_schema: str) -
     if request.param == "postgres":
         broker: Any = PostgresBroker(database=database_url, schema=db_schema, lease_ms=2000)
     else:
-        broker = OutboxBroker(
-            url=request.getfixturevalue("rabbitmq_url"), database=database_url, schema=db_schema
-        )
+        broker = OutboxBroker(url=request.getfixturevalue("rabbitmq_url"), database=database_url, schema=db_schema)
         broker.add_middleware(WorkerRelay(poll_interval_ms=20))
     broker.add_middleware(OrderedKeys(lease_ms=1000), before=Callbacks)
     broker.add_middleware(DeadLetters())
@@ -97,7 +95,11 @@ def test_a_retrying_head_keeps_its_place_and_a_dead_one_parks_its_key_until_repl
     failures = {("a", 1): 1, ("a", 2): 99}  # a1 fails once (retried), a2 fails for good
 
     @dramatiq.actor(
-        queue_name=queue, broker=ordered, order_key=lambda account, n: account, max_retries=1, min_backoff=50,
+        queue_name=queue,
+        broker=ordered,
+        order_key=lambda account, n: account,
+        max_retries=1,
+        min_backoff=50,
         max_backoff=100,
     )
     def step(account: str, n: int) -> None:
@@ -122,3 +124,63 @@ def test_a_retrying_head_keeps_its_place_and_a_dead_one_parks_its_key_until_repl
     wait_for(lambda: ("a", 3) in runs, timeout_ms=15_000, message=f"the replay did not release the key: {runs}")
     assert [r for r in runs if r[0] == "a"][-3:] == [("a", 2), ("a", 2), ("a", 3)]
     wait_for(lambda: not _rows(db, db_schema), message="places left behind")
+
+
+def test_a_discarded_dead_head_releases_its_key_and_a_send_outside_a_transaction_keeps_its_place(
+    ordered: Any, queue: str, worker: dramatiq.Worker, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    runs: list[int] = []
+
+    @dramatiq.actor(queue_name=queue, broker=ordered, order_key=lambda n: "k", max_retries=0)
+    def step(n: int) -> None:
+        runs.append(n)
+        if n == 1:
+            raise RuntimeError("step 1 failed")
+
+    for n in range(3):
+        step.send(n)  # nothing bound: each send commits its place and its message together
+    worker.start()
+    wait_for(lambda: _rows(db, db_schema) == [("k", 2, "dead"), ("k", 3, "parked")], message=f"{_rows(db, db_schema)}")
+    assert runs == [0, 1]
+    PostgresDeadLetterStore.from_broker(ordered).discard(where=DeadLetterFilter(), note="not needed")
+    wait_for(lambda: runs == [0, 1, 2], message=f"the discard did not release the key: {runs}")
+    wait_for(lambda: not _rows(db, db_schema), message="places left behind")
+
+
+def test_a_key_function_that_raises_refuses_the_send_and_writes_nothing(
+    ordered: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    @dramatiq.actor(queue_name=queue, broker=ordered, order_key=lambda account: account["id"])
+    def sync(account: Any) -> None:
+        raise AssertionError("never runs")
+
+    raised = r"of actor 'sync': order_key raised TypeError: .*the job was not run"
+    with pytest.raises(ActorOptionError, match=raised), ordered.transaction():
+        sync.send("acct-1")
+    with pytest.raises(ActorOptionError, match=r"of actor 'sync': order_key gave 7, not a non-empty string"):
+        sync.send({"id": 7})
+    table = "queue" if isinstance(ordered, PostgresBroker) else "outbox"
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(db_schema, table))).fetchone() == (0,)
+    assert _rows(db, db_schema) == []
+
+
+def test_a_message_sent_without_a_place_is_not_run_but_dead_lettered(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any]
+) -> None:
+    plain = PostgresBroker(database=database_url, schema=db_schema)
+    worker_broker = PostgresBroker(database=database_url, schema=db_schema, lease_ms=2000)
+    worker_broker.add_middleware(OrderedKeys(lease_ms=1000), before=Callbacks)
+    worker_broker.add_middleware(DeadLetters())
+    runs: list[int] = []
+    dramatiq.actor(lambda n: None, actor_name="step", queue_name="ordered", broker=plain).send(1)
+    dramatiq.actor(runs.append, actor_name="step", queue_name="ordered", broker=worker_broker, order_key=str)
+    worker = dramatiq.Worker(worker_broker, worker_timeout=50, worker_threads=1)
+    worker.start()
+    try:
+        store = PostgresDeadLetterStore.from_broker(worker_broker)
+        wait_for(lambda: store.count(where=DeadLetterFilter()) == 1, message="the message was not dead-lettered")
+    finally:
+        worker.stop()
+        plain.close()
+        worker_broker.close()
+    assert runs == []
