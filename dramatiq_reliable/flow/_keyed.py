@@ -17,14 +17,25 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import dramatiq
+import psycopg
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.common import q_name
 from dramatiq.message import Message
 
+from .. import schema as _schema
 from .._util import first_line
-from ..errors import ActorOptionError
+from ..errors import ActorOptionError, DatabaseUnavailable
 
-__all__ = ["MAX_KEY_CHARS", "Heartbeat", "check_key_option", "derive_key", "new_owner", "parked_body", "send_woken"]
+__all__ = [
+    "MAX_KEY_CHARS",
+    "Heartbeat",
+    "check_key_option",
+    "derive_key",
+    "new_owner",
+    "not_migrated",
+    "parked_body",
+    "send_woken",
+]
 
 logger = logging.getLogger("dramatiq_reliable.flow")
 
@@ -67,6 +78,21 @@ def derive_key(derive: Callable[..., Any], option: str, message: Message[Any] | 
             f"string of at most {MAX_KEY_CHARS} characters; the job was not run, build keys from IDs and plain text"
         )
     return key
+
+
+def not_migrated(error: BaseException, schema: str, feature: str) -> DatabaseUnavailable | None:
+    """The error to raise when ``error`` says migration 14 was not applied, else ``None``.
+
+    A ``DatabaseUnavailable``, not a ``SchemaNotReady``: Dramatiq swallows anything but a
+    ``MiddlewareError`` raised in a hook, and the job would run (or be sent) unordered.
+    """
+    if not isinstance(error, (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction)):
+        return None
+    return DatabaseUnavailable(
+        f"{feature} needs schema {schema!r} at version {_schema.ORDER_CONCURRENCY_VERSION} "
+        f"({type(error).__name__}: {first_line(error)}); the job was neither run nor sent, "
+        f"run {_schema.migrate_command(schema)!r}"
+    )
 
 
 def parked_body(message: MessageProxy) -> bytes:

@@ -39,9 +39,9 @@ from .._util import first_line
 from ..backing import backing_of
 from ..binding import bind
 from ..database import Database, DatabaseLike
-from ..errors import ActorOptionError, DatabaseUnavailable
+from ..errors import ActorOptionError, DatabaseUnavailable, MiddlewareFailed
 from ..idempotency._connections import autocommit
-from ._keyed import Heartbeat, check_key_option, derive_key, new_owner, parked_body, send_woken
+from ._keyed import Heartbeat, check_key_option, derive_key, new_owner, not_migrated, parked_body, send_woken
 
 __all__ = ["ConcurrencyLimit", "ConcurrencyParked", "concurrency_waiting"]
 
@@ -202,10 +202,18 @@ class ConcurrencyLimit(Middleware):
                     .fetchone()
                 )
         except (psycopg.Error, OSError, TimeoutError) as error:
+            missing = not_migrated(error, schema, "ConcurrencyLimit")
+            if missing is not None:
+                raise missing from error
             raise DatabaseUnavailable(
                 f"ConcurrencyLimit could not take a slot of {key!r} for message {message.message_id!r}: "
                 f"{type(error).__name__}: {first_line(error)}; the actor did not run and the message will be retried "
                 "once Postgres answers"
+            ) from error
+        except Exception as error:
+            raise MiddlewareFailed(
+                f"ConcurrencyLimit could not take a slot of {key!r} for message {message.message_id!r}: {type(error).__name__}: "
+                f"{first_line(error)}; the actor did not run, report this as a bug"
             ) from error
         if row is None or row["token"] is None:
             # Parked durably first, acked after (SkipMessage): a crash in between duplicates, never loses.

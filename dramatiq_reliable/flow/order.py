@@ -34,16 +34,17 @@ from dramatiq.message import Message
 from dramatiq.middleware import Middleware, SkipMessage
 from dramatiq.worker import WorkerThread
 from psycopg.rows import dict_row
+from psycopg_pool import PoolTimeout
 
 from .. import _sql, events
 from .._checks import check_ms
-from .._util import first_line
+from .._util import first_line, redact
 from ..backing import backing_of
 from ..binding import ambient_connection, bind, bound_connection, check_joinable
 from ..database import Database, DatabaseLike
-from ..errors import ActorOptionError, DatabaseUnavailable
+from ..errors import ActorOptionError, DatabaseUnavailable, MiddlewareFailed
 from ..idempotency._connections import autocommit
-from ._keyed import Heartbeat, check_key_option, derive_key, new_owner, parked_body, send_woken
+from ._keyed import Heartbeat, check_key_option, derive_key, new_owner, not_migrated, parked_body, send_woken
 
 __all__ = ["ORDER_SEQ_OPTION", "OrderParked", "OrderedKeys", "order_waiting"]
 
@@ -164,22 +165,32 @@ class OrderedKeys(Middleware):
         if conn is None:
             if getattr(broker, "on_unbound", "autocommit") == "error" and not _in_worker():
                 return  # the send itself raises NotBound, naming the fix
-            conn = self._open_own(database, message.message_id)
         else:
             check_joinable(conn, database, actor_name=message.actor_name)
-        row = (
-            conn.cursor(row_factory=dict_row)
-            .execute(
-                _sql.rendered("order_send", schema),
-                {
-                    "lock": f"dramatiq_reliable.order:{schema}:{key}",
-                    "key": key,
-                    "message_id": message.message_id,
-                    "actor_name": message.actor_name,
-                },
+        try:
+            if conn is None:
+                conn = self._open_own(database, message.message_id)
+            row = (
+                conn.cursor(row_factory=dict_row)
+                .execute(
+                    _sql.rendered("order_send", schema),
+                    {
+                        "lock": f"dramatiq_reliable.order:{schema}:{key}",
+                        "key": key,
+                        "message_id": message.message_id,
+                        "actor_name": message.actor_name,
+                    },
+                )
+                .fetchone()
             )
-            .fetchone()
-        )
+        except (psycopg.Error, PoolTimeout) as error:
+            # A MiddlewareError (DatabaseUnavailable is one): Dramatiq swallows any other error of
+            # a before-hook, and the message would be sent without its place.
+            raise not_migrated(error, schema, "OrderedKeys") or DatabaseUnavailable(
+                f"could not record the place of message {message.message_id!r} of actor {message.actor_name!r} in "
+                f"order key {key!r}: {type(error).__name__}: {redact(first_line(error))}; the message was not sent, "
+                "check the database connection and retry the transaction"
+            ) from error
         assert row is not None
         message.options[ORDER_SEQ_OPTION] = int(row["seq"])
 
@@ -275,10 +286,18 @@ class OrderedKeys(Middleware):
                     .fetchone()
                 )
         except (psycopg.Error, OSError, TimeoutError) as error:
+            missing = not_migrated(error, schema, "OrderedKeys")
+            if missing is not None:
+                raise missing from error
             raise DatabaseUnavailable(
                 f"OrderedKeys could not look up message {message.message_id!r} of actor {message.actor_name!r}: "
                 f"{type(error).__name__}: {first_line(error)}; the actor did not run and the message will be retried "
                 "once Postgres answers"
+            ) from error
+        except Exception as error:
+            raise MiddlewareFailed(
+                f"OrderedKeys could not look up message {message.message_id!r}: {type(error).__name__}: "
+                f"{first_line(error)}; the actor did not run, report this as a bug"
             ) from error
         assert row is not None
         if row["outcome"] == "unknown":

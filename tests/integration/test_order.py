@@ -13,7 +13,15 @@ import pytest
 from dramatiq.middleware import Callbacks
 from psycopg import sql
 
-from dramatiq_reliable import ActorOptionError, DeadLetterFilter, DeadLetters, OutboxBroker, PostgresBroker, WorkerRelay
+from dramatiq_reliable import (
+    ActorOptionError,
+    DatabaseUnavailable,
+    DeadLetterFilter,
+    DeadLetters,
+    OutboxBroker,
+    PostgresBroker,
+    WorkerRelay,
+)
 from dramatiq_reliable.dead_letters import PostgresDeadLetterStore
 from dramatiq_reliable.flow import OrderedKeys, order_waiting
 from dramatiq_reliable.testing import wait_for
@@ -184,3 +192,19 @@ def test_a_message_sent_without_a_place_is_not_run_but_dead_lettered(
         plain.close()
         worker_broker.close()
     assert runs == []
+
+
+def test_a_schema_without_migration_14_refuses_the_send_naming_the_command(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any]
+) -> None:
+    db.execute(sql.SQL("DROP TABLE {} CASCADE").format(sql.Identifier(db_schema, "order_jobs")))
+    broker = PostgresBroker(database=database_url, schema=db_schema)
+    broker.add_middleware(OrderedKeys())
+    try:
+        sync = dramatiq.actor(lambda n: None, actor_name="sync", broker=broker, order_key=str)
+        with pytest.raises(
+            DatabaseUnavailable, match=rf"needs schema '{db_schema}' at version 14 .*run 'dramatiq-reliable"
+        ):
+            sync.send(1)
+    finally:
+        broker.close()
