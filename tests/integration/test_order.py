@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from dramatiq_reliable import (
     PostgresBroker,
     WorkerRelay,
 )
+from dramatiq_reliable.cli import main
 from dramatiq_reliable.dead_letters import PostgresDeadLetterStore
 from dramatiq_reliable.flow import OrderedKeys, order_waiting
 from dramatiq_reliable.testing import wait_for
@@ -208,3 +210,25 @@ def test_a_schema_without_migration_14_refuses_the_send_naming_the_command(
             sync.send(1)
     finally:
         broker.close()
+
+
+def test_status_names_the_keys_that_wait_and_what_frees_a_dead_head(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    broker = PostgresBroker(database=database_url, schema=db_schema)
+    broker.add_middleware(OrderedKeys())
+    try:
+        sync = dramatiq.actor(lambda n: None, actor_name="sync", queue_name="ordered", broker=broker, order_key=str)
+        first = sync.send(7)
+        sync.send(7)
+    finally:
+        broker.close()
+    jobs = sql.Identifier(db_schema, "order_jobs")
+    db.execute(sql.SQL("UPDATE {} SET state = 'dead' WHERE message_id = %s").format(jobs), (first.message_id,))
+    base = ["status", "--database-url", database_url, "--schema", db_schema, "--skip-rabbitmq"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert f"order key '7': 2 waiting, dead head {first.message_id}: replay or discard its dead letter" in out
+    assert main([*base, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["keys_waiting"]["order"]
+    assert (row["key"], row["waiting"], row["head_state"], row["head_message_id"]) == ("7", 2, "dead", first.message_id)
