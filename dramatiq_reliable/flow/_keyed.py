@@ -1,8 +1,10 @@
 """What concurrency per key and order per key share: the key of a message, parking, waking, a heartbeat.
 
 Both park a message that cannot run now as a row in Postgres (its encoded body) and send it
-again, in the transaction that frees its key, when its turn comes: no worker thread waits and
-nothing spins through the broker's queue.  Both hold a lease per running job that a heartbeat
+again, in the statement that frees its key, when its turn comes: no worker thread waits and
+nothing spins through the broker's queue.  The resend is a row written by SQL into the table the
+broker sends to (``queue`` or ``outbox``), as a replay of dead letters is, so a release is one
+autocommit statement.  Both hold a lease per running job that a heartbeat
 renews; a killed worker's lease lapses and the same heartbeat, in every live worker, sweeps it.
 """
 
@@ -13,31 +15,47 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
 
 import dramatiq
 import psycopg
-from dramatiq.broker import Broker, MessageProxy
+from dramatiq.broker import MessageProxy
 from dramatiq.common import q_name
 from dramatiq.message import Message
+from psycopg import sql
+from psycopg.rows import dict_row
 
 from .. import schema as _schema
 from .._util import first_line
+from ..database import Database
 from ..errors import ActorOptionError, DatabaseUnavailable
+from ..idempotency._connections import autocommit  # the pool's connections keep their mode
+from ..outbox.wake import channel
 
 __all__ = [
     "MAX_KEY_CHARS",
     "Heartbeat",
+    "Held",
     "check_key_option",
     "derive_key",
     "new_owner",
     "not_migrated",
+    "one_statement",
     "parked_body",
-    "send_woken",
+    "parked_queue",
+    "resend_to",
 ]
 
 logger = logging.getLogger("dramatiq_reliable.flow")
+
+
+class _Lease(Protocol):
+    key: str
+    token: int
+
+
+L = TypeVar("L", bound=_Lease)
 
 #: Keys are built from IDs and plain text; a longer one is a bug in the key function.
 MAX_KEY_CHARS = 1000
@@ -80,6 +98,11 @@ def derive_key(derive: Callable[..., Any], option: str, message: Message[Any] | 
     return key
 
 
+def parked_queue(message: MessageProxy) -> str:
+    """The queue a parked message goes back to: the queue itself, never its delay queue."""
+    return q_name(message.queue_name)
+
+
 def not_migrated(error: BaseException, schema: str, feature: str) -> DatabaseUnavailable | None:
     """The error to raise when ``error`` says migration 14 was not applied, else ``None``.
 
@@ -96,7 +119,8 @@ def not_migrated(error: BaseException, schema: str, feature: str) -> DatabaseUna
 
 
 def parked_body(message: MessageProxy) -> bytes:
-    """The message as it is sent again when woken: to its queue itself, with no eta left from a delay."""
+    """The message as it is sent again when woken: to its queue itself (``parked_queue``), with no eta
+    left from a delay."""
     original = message._message  # the proxy's Message (Dramatiq keeps it there)
     options = {name: value for name, value in original.options.items() if name != "eta"}
     return Message(
@@ -110,16 +134,42 @@ def parked_body(message: MessageProxy) -> bytes:
     ).encode()
 
 
-def send_woken(broker: Broker, rows: Iterable[dict[str, Any]]) -> int:
-    """Send the parked messages in ``rows`` again; call it bound to the transaction that woke them,
-    so that on a Postgres-backed broker the key is freed and the next job sent in one commit."""
-    sent = 0
-    for row in rows:
-        if row["body"] is None:
-            continue
-        broker.enqueue(Message.decode(bytes(row["body"])))
-        sent += 1
-    return sent
+def resend_to(schema: str, sends_to: str) -> dict[str, str]:
+    """The parameters telling the release and sweep functions where a woken message goes: the
+    table the broker sends to, and the channel that wakes the relays when it is the outbox."""
+    return {"target": sends_to, "channel": channel(schema)}
+
+
+def one_statement(database: Database, query: sql.Composed | bytes, params: dict[str, Any]) -> dict[str, Any]:
+    """Run one function call in autocommit on a pooled connection and return its row (by name)."""
+    with database.connection() as conn, autocommit(conn):
+        row = conn.cursor(row_factory=dict_row).execute(query, params).fetchone()
+    assert row is not None  # a SELECT of a function: always one row
+    return row
+
+
+class Held(Generic[L]):
+    """The leases this process holds, one per worker thread, for the heartbeat to renew."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, L] = {}
+        self._lock = threading.Lock()
+
+    def hold(self, lease: L) -> None:
+        with self._lock:
+            self._held[threading.get_ident()] = lease
+
+    def drop(self) -> None:
+        with self._lock:
+            self._held.pop(threading.get_ident(), None)
+
+    def renewal(self, lease_ms: int) -> dict[str, Any] | None:
+        """The parameters of the renew statement (``keys``, ``tokens``), or ``None`` when nothing is held."""
+        with self._lock:
+            held = list(self._held.values())
+        if not held:
+            return None
+        return {"lease_ms": lease_ms, "keys": [h.key for h in held], "tokens": [h.token for h in held]}
 
 
 class Heartbeat:

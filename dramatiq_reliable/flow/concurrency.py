@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
-import threading
 from typing import Any
 
 import dramatiq
@@ -37,11 +36,21 @@ from .. import _sql, events
 from .._checks import check_ms, is_int
 from .._util import first_line
 from ..backing import backing_of
-from ..binding import bind
 from ..database import Database, DatabaseLike
 from ..errors import ActorOptionError, DatabaseUnavailable, MiddlewareFailed
 from ..idempotency._connections import autocommit
-from ._keyed import Heartbeat, check_key_option, derive_key, new_owner, not_migrated, parked_body, send_woken
+from ._keyed import (
+    Heartbeat,
+    Held,
+    check_key_option,
+    derive_key,
+    new_owner,
+    not_migrated,
+    one_statement,
+    parked_body,
+    parked_queue,
+    resend_to,
+)
 
 __all__ = ["ConcurrencyLimit", "ConcurrencyParked", "concurrency_waiting"]
 
@@ -104,16 +113,15 @@ class ConcurrencyLimit(Middleware):
         self.lease_ms = lease_ms
         self.owner = new_owner()
         self._own_database = Database.of(database) if database is not None else None
-        self._target: tuple[Database, str] | None = None
-        self._held: dict[int, _Slot] = {}
-        self._lock = threading.Lock()
+        self._target: tuple[Database, str, dict[str, str]] | None = None
+        self._held: Held[_Slot] = Held()
         self._heartbeat: Heartbeat | None = None
 
     @property
     def actor_options(self) -> set[str]:
         return set(_OPTIONS)
 
-    def database_for(self, broker: Broker) -> tuple[Database, str]:
+    def database_for(self, broker: Broker) -> tuple[Database, str, dict[str, str]]:
         """The database and schema the slots of ``broker``'s actors live in."""
         if self._target is None:
             backing = backing_of(
@@ -123,7 +131,7 @@ class ConcurrencyLimit(Middleware):
                 schema=self.schema,
                 error=ActorOptionError,
             )
-            self._target = (backing.database, backing.schema)
+            self._target = (backing.database, backing.schema, resend_to(backing.schema, backing.sends_to))
         return self._target
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
@@ -180,27 +188,23 @@ class ConcurrencyLimit(Middleware):
         if key is None:
             return
         limit = int(actor.options["concurrency_limit"])
-        database, schema = self.database_for(broker)
+        database, schema, _ = self.database_for(broker)
         try:
-            with database.connection() as conn, autocommit(conn):
-                row = (
-                    conn.cursor(row_factory=dict_row)
-                    .execute(
-                        _sql.rendered("concurrency_take", schema),
-                        {
-                            "lock": self.lock_name(schema, key),
-                            "key": key,
-                            "limit": limit,
-                            "message_id": message.message_id,
-                            "actor_name": message.actor_name,
-                            "owner": self.owner,
-                            "lease_ms": self.lease_ms,
-                            "queue_name": message.queue_name,
-                            "body": parked_body(message),
-                        },
-                    )
-                    .fetchone()
-                )
+            row = one_statement(
+                database,
+                _sql.rendered("concurrency_take", schema),
+                {
+                    "lock": self.lock_name(schema, key),
+                    "key": key,
+                    "limit": limit,
+                    "message_id": message.message_id,
+                    "actor_name": message.actor_name,
+                    "owner": self.owner,
+                    "lease_ms": self.lease_ms,
+                    "queue_name": parked_queue(message),
+                    "body": parked_body(message),
+                },
+            )
         except (psycopg.Error, OSError, TimeoutError) as error:
             missing = not_migrated(error, schema, "ConcurrencyLimit")
             if missing is not None:
@@ -215,13 +219,12 @@ class ConcurrencyLimit(Middleware):
                 f"ConcurrencyLimit could not take a slot of {key!r} for message {message.message_id!r}: {type(error).__name__}: "
                 f"{first_line(error)}; the actor did not run, report this as a bug"
             ) from error
-        if row is None or row["token"] is None:
+        if row["token"] is None:
             # Parked durably first, acked after (SkipMessage): a crash in between duplicates, never loses.
             events.emit(ConcurrencyParked(message.actor_name, message.message_id, key, limit))
             raise SkipMessage(f"concurrency key {key!r} runs {limit} jobs; the message was parked")
         slot = _Slot(key, int(row["token"]), message.message_id)
-        with self._lock:
-            self._held[threading.get_ident()] = slot
+        self._held.hold(slot)
         _current.set(slot)
 
     def after_process_message(
@@ -244,20 +247,11 @@ class ConcurrencyLimit(Middleware):
         if slot is None or slot.message_id != message.message_id:
             return
         _current.set(None)
-        with self._lock:
-            self._held.pop(threading.get_ident(), None)
-        database, schema = self.database_for(broker)
+        self._held.drop()
+        database, schema, resend = self.database_for(broker)
+        params = {"lock": self.lock_name(schema, slot.key), "key": slot.key, "token": slot.token, **resend}
         try:
-            with database.connection() as conn, conn.transaction(), bind(conn):
-                rows = (
-                    conn.cursor(row_factory=dict_row)
-                    .execute(
-                        _sql.rendered("concurrency_release", schema),
-                        {"lock": self.lock_name(schema, slot.key), "key": slot.key, "token": slot.token},
-                    )
-                    .fetchall()
-                )
-                send_woken(broker, rows)
+            one_statement(database, _sql.rendered("concurrency_release", schema), params)
         except Exception:
             # The slot lapses after lease_ms and the sweep hands its place on.
             logger.warning(
@@ -274,30 +268,17 @@ class ConcurrencyLimit(Middleware):
 
     def renew(self, broker: Broker) -> None:
         """Push back the expiry of every slot this process holds (the heartbeat calls it)."""
-        with self._lock:
-            held = list(self._held.values())
-        if not held:
-            return
-        database, schema = self.database_for(broker)
-        with database.connection() as conn, autocommit(conn):
-            conn.execute(
-                _sql.query("concurrency_renew", schema),
-                {"lease_ms": self.lease_ms, "keys": [s.key for s in held], "tokens": [s.token for s in held]},
-            )
+        params = self._held.renewal(self.lease_ms)
+        if params is not None:
+            database, schema, _ = self.database_for(broker)
+            with database.connection() as conn, autocommit(conn):
+                conn.execute(_sql.query("concurrency_renew", schema), params)
 
     def sweep(self, broker: Broker) -> int:
         """Hand the places of lapsed slots (killed workers) to parked messages; returns how many were sent."""
-        database, schema = self.database_for(broker)
-        with database.connection() as conn, conn.transaction(), bind(conn):
-            rows = (
-                conn.cursor(row_factory=dict_row)
-                .execute(
-                    _sql.query("concurrency_sweep", schema),
-                    {"lock_prefix": _lock_prefix(schema), "limit": _SWEEP_LIMIT},
-                )
-                .fetchall()
-            )
-            return send_woken(broker, rows)
+        database, schema, resend = self.database_for(broker)
+        params = {"lock_prefix": _lock_prefix(schema), "limit": _SWEEP_LIMIT, **resend}
+        return int(one_statement(database, _sql.query("concurrency_sweep", schema), params)["woken"])
 
 
 def _lock_prefix(schema: str) -> str:

@@ -44,7 +44,18 @@ from ..binding import ambient_connection, bind, bound_connection, check_joinable
 from ..database import Database, DatabaseLike
 from ..errors import ActorOptionError, DatabaseUnavailable, MiddlewareFailed
 from ..idempotency._connections import autocommit
-from ._keyed import Heartbeat, check_key_option, derive_key, new_owner, not_migrated, parked_body, send_woken
+from ._keyed import (
+    Heartbeat,
+    Held,
+    check_key_option,
+    derive_key,
+    new_owner,
+    not_migrated,
+    one_statement,
+    parked_body,
+    parked_queue,
+    resend_to,
+)
 
 __all__ = ["ORDER_SEQ_OPTION", "OrderParked", "OrderedKeys", "order_waiting"]
 
@@ -114,22 +125,21 @@ class OrderedKeys(Middleware):
         self.lease_ms = lease_ms
         self.owner = new_owner()
         self._own_database = Database.of(database) if database is not None else None
-        self._target: tuple[Database, str] | None = None
-        self._held: dict[int, _Head] = {}
-        self._lock = threading.Lock()
+        self._target: tuple[Database, str, dict[str, str]] | None = None
+        self._held: Held[_Head] = Held()
         self._heartbeat: Heartbeat | None = None
 
     @property
     def actor_options(self) -> set[str]:
         return {"order_key"}
 
-    def database_for(self, broker: Broker) -> tuple[Database, str]:
+    def database_for(self, broker: Broker) -> tuple[Database, str, dict[str, str]]:
         """The database and schema of ``broker``'s key sequences."""
         if self._target is None:
             backing = backing_of(
                 broker, needed_by="OrderedKeys", database=self._own_database, schema=self.schema, error=ActorOptionError
             )
-            self._target = (backing.database, backing.schema)
+            self._target = (backing.database, backing.schema, resend_to(backing.schema, backing.sends_to))
         return self._target
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
@@ -160,7 +170,7 @@ class OrderedKeys(Middleware):
                 f"message {message.message_id!r} of actor {message.actor_name!r} has an order_key and a dedupe_key; "
                 "send it without dedupe_key"
             )
-        database, schema = self.database_for(broker)
+        database, schema, _ = self.database_for(broker)
         conn = bound_connection() or ambient_connection(database)
         if conn is None:
             if getattr(broker, "on_unbound", "autocommit") == "error" and not _in_worker():
@@ -268,23 +278,19 @@ class OrderedKeys(Middleware):
             logger.error("%s", error)
             message.fail()
             raise SkipMessage(str(error))
-        database, schema = self.database_for(broker)
+        database, schema, _ = self.database_for(broker)
         try:
-            with database.connection() as conn, autocommit(conn):
-                row = (
-                    conn.cursor(row_factory=dict_row)
-                    .execute(
-                        _sql.rendered("order_take", schema),
-                        {
-                            "message_id": message.message_id,
-                            "owner": self.owner,
-                            "lease_ms": self.lease_ms,
-                            "queue_name": message.queue_name,
-                            "body": parked_body(message),
-                        },
-                    )
-                    .fetchone()
-                )
+            row = one_statement(
+                database,
+                _sql.rendered("order_take", schema),
+                {
+                    "message_id": message.message_id,
+                    "owner": self.owner,
+                    "lease_ms": self.lease_ms,
+                    "queue_name": parked_queue(message),
+                    "body": parked_body(message),
+                },
+            )
         except (psycopg.Error, OSError, TimeoutError) as error:
             missing = not_migrated(error, schema, "OrderedKeys")
             if missing is not None:
@@ -299,15 +305,13 @@ class OrderedKeys(Middleware):
                 f"OrderedKeys could not look up message {message.message_id!r}: {type(error).__name__}: "
                 f"{first_line(error)}; the actor did not run, report this as a bug"
             ) from error
-        assert row is not None
         if row["outcome"] == "unknown":
             raise SkipMessage(f"message {message.message_id!r} is done already (its place is gone); a redelivery")
         if row["outcome"] == "parked":
             events.emit(OrderParked(message.actor_name, message.message_id, row["key"], int(row["seq"])))
             raise SkipMessage(f"order key {row['key']!r}: not its turn; the message was parked")
         head = _Head(row["key"], int(row["seq"]), int(row["token"]), message.message_id)
-        with self._lock:
-            self._held[threading.get_ident()] = head
+        self._held.hold(head)
         _current.set(head)
 
     def after_process_message(
@@ -329,7 +333,7 @@ class OrderedKeys(Middleware):
     def after_nack(self, broker: Broker, message: MessageProxy) -> None:
         if self._derive_of(broker, message.actor_name) is None:
             return
-        database, schema = self.database_for(broker)
+        database, schema, _ = self.database_for(broker)
         try:
             with database.connection() as conn, autocommit(conn):
                 conn.execute(_sql.rendered("order_dead", schema), {"message_id": message.message_id})
@@ -341,14 +345,11 @@ class OrderedKeys(Middleware):
         if head is None or head.message_id != message.message_id:
             return
         _current.set(None)
-        with self._lock:
-            self._held.pop(threading.get_ident(), None)
-        database, schema = self.database_for(broker)
-        params = {"key": head.key, "seq": head.seq, "token": head.token, "done": done}
+        self._held.drop()
+        database, schema, resend = self.database_for(broker)
+        params = {"key": head.key, "seq": head.seq, "token": head.token, "done": done, **resend}
         try:
-            with database.connection() as conn, conn.transaction(), bind(conn):
-                rows = conn.cursor(row_factory=dict_row).execute(_sql.rendered("order_release", schema), params)
-                send_woken(broker, rows.fetchall())
+            one_statement(database, _sql.rendered("order_release", schema), params)
         except Exception:
             logger.warning(
                 "could not free order key %r after message %s; its lease lapses after %d ms",
@@ -364,23 +365,17 @@ class OrderedKeys(Middleware):
 
     def renew(self, broker: Broker) -> None:
         """Push back the lease of every key whose head this process runs (the heartbeat calls it)."""
-        with self._lock:
-            held = list(self._held.values())
-        if not held:
-            return
-        database, schema = self.database_for(broker)
-        with database.connection() as conn, autocommit(conn):
-            conn.execute(
-                _sql.query("order_renew", schema),
-                {"lease_ms": self.lease_ms, "keys": [h.key for h in held], "tokens": [h.token for h in held]},
-            )
+        params = self._held.renewal(self.lease_ms)
+        if params is not None:
+            database, schema, _ = self.database_for(broker)
+            with database.connection() as conn, autocommit(conn):
+                conn.execute(_sql.query("order_renew", schema), params)
 
     def sweep(self, broker: Broker) -> int:
         """Free the keys of killed workers and of discarded dead heads; returns how many parked heads were sent."""
-        database, schema = self.database_for(broker)
-        with database.connection() as conn, conn.transaction(), bind(conn):
-            rows = conn.cursor(row_factory=dict_row).execute(_sql.query("order_sweep", schema), {"limit": _SWEEP_LIMIT})
-            return send_woken(broker, rows.fetchall())
+        database, schema, resend = self.database_for(broker)
+        params = {"limit": _SWEEP_LIMIT, **resend}
+        return int(one_statement(database, _sql.query("order_sweep", schema), params)["woken"])
 
 
 def _in_worker() -> bool:

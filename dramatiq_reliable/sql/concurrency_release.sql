@@ -1,2 +1,2 @@
--- Free this run's slot; the oldest parked message of the key comes back, to be sent in this transaction.
-SELECT message_id, queue_name, body FROM {schema}.concurrency_release(%(lock)s, %(key)s, %(token)s)
+-- Free this run's slot; the oldest parked message of the key is sent again in the same statement (1 back).
+SELECT {schema}.concurrency_release(%(lock)s, %(key)s, %(token)s, %(target)s, %(channel)s) AS woken

@@ -30,6 +30,22 @@ CREATE TABLE {schema}.concurrency_parked (
 );
 CREATE INDEX concurrency_parked_key ON {schema}.concurrency_parked (key, id);
 
+-- Send a parked message again, as a row of the table the broker sends to: 'queue'
+-- (PostgresBroker; its insert trigger wakes the consumers) or 'outbox' (OutboxBroker; the relays
+-- are woken on p_channel).  A resend in SQL, as a replay of dead letters is: the message was sent
+-- once through the send path already, and this keeps the release one statement.
+CREATE FUNCTION {schema}.flow_resend(
+    p_target text, p_channel text, p_message_id text, p_queue_name text, p_actor_name text, p_body bytea
+) RETURNS void LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+BEGIN
+    IF p_target = 'queue' THEN
+        INSERT INTO queue (queue_name, message_id, actor_name, body) VALUES (p_queue_name, p_message_id, p_actor_name, p_body);
+    ELSE
+        INSERT INTO outbox (message_id, queue_name, actor_name, body) VALUES (p_message_id, p_queue_name, p_actor_name, p_body);
+        PERFORM pg_notify(p_channel, '');
+    END IF;
+END $$;
+
 -- Take a slot of p_key (the token back) or park the message (NULL back).  The advisory lock is
 -- per key and per transaction, so it is safe behind PgBouncer in transaction mode.
 CREATE FUNCTION {schema}.concurrency_take(
@@ -55,40 +71,54 @@ BEGIN
     RETURN NULL;
 END $$;
 
--- Free the slot of a run and hand its place to the oldest parked message of the key (returned,
--- for the caller to send in this same transaction).  A slot already lapsed and swept was handed
--- on by the sweep: nothing is woken twice.
-CREATE FUNCTION {schema}.concurrency_release(p_lock text, p_key text, p_token bigint)
-RETURNS TABLE (message_id text, queue_name text, body bytea) LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+-- Free the slot of a run and hand its place to the oldest parked message of the key, sent again
+-- in this same statement; returns how many were woken.  A slot already lapsed and swept was
+-- handed on by the sweep: nothing is woken twice.
+CREATE FUNCTION {schema}.concurrency_release(
+    p_lock text, p_key text, p_token bigint, p_target text, p_channel text
+) RETURNS int LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+DECLARE
+    woken record;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended(p_lock, 0));
     DELETE FROM concurrency_slots AS s WHERE s.key = p_key AND s.token = p_token;
     IF NOT FOUND THEN
-        RETURN;
+        RETURN 0;
     END IF;
-    RETURN QUERY
     DELETE FROM concurrency_parked AS p
      WHERE p.id = (SELECT q.id FROM concurrency_parked AS q WHERE q.key = p_key ORDER BY q.id LIMIT 1)
-    RETURNING p.message_id, p.queue_name, p.body;
+    RETURNING p.message_id, p.queue_name, p.actor_name, p.body INTO woken;
+    IF NOT FOUND THEN
+        RETURN 0;
+    END IF;
+    PERFORM flow_resend(p_target, p_channel, woken.message_id, woken.queue_name, woken.actor_name, woken.body);
+    RETURN 1;
 END $$;
 
--- Hand the places of lapsed slots (killed workers) to parked messages, one each; returned to be
--- sent in this transaction.  p_lock_prefix || key is the lock concurrency_take uses.
-CREATE FUNCTION {schema}.concurrency_sweep(p_lock_prefix text, p_limit int)
-RETURNS TABLE (message_id text, queue_name text, body bytea) LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+-- Hand the places of lapsed slots (killed workers) to parked messages, one each, sent again here;
+-- returns how many.  p_lock_prefix || key is the lock concurrency_take uses.
+CREATE FUNCTION {schema}.concurrency_sweep(p_lock_prefix text, p_limit int, p_target text, p_channel text)
+RETURNS int LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
 DECLARE
     k text;
     freed int;
+    woken record;
+    total int := 0;
 BEGIN
     FOR k IN SELECT DISTINCT s.key FROM concurrency_slots AS s WHERE s.expires_at < now() LIMIT p_limit LOOP
         PERFORM pg_advisory_xact_lock(hashtextextended(p_lock_prefix || k, 0));
         DELETE FROM concurrency_slots AS s WHERE s.key = k AND s.expires_at < now();
         GET DIAGNOSTICS freed = ROW_COUNT;
-        RETURN QUERY
-        DELETE FROM concurrency_parked AS p
-         WHERE p.id IN (SELECT q.id FROM concurrency_parked AS q WHERE q.key = k ORDER BY q.id LIMIT freed)
-        RETURNING p.message_id, p.queue_name, p.body;
+        FOR woken IN
+            DELETE FROM concurrency_parked AS p
+             WHERE p.id IN (SELECT q.id FROM concurrency_parked AS q WHERE q.key = k ORDER BY q.id LIMIT freed)
+            RETURNING p.message_id, p.queue_name, p.actor_name, p.body
+        LOOP
+            PERFORM flow_resend(p_target, p_channel, woken.message_id, woken.queue_name, woken.actor_name, woken.body);
+            total := total + 1;
+        END LOOP;
     END LOOP;
+    RETURN total;
 END $$;
 
 -- Per key sequences of ordered jobs: one row per job sent and not yet done; the head of a key is
@@ -180,10 +210,11 @@ BEGIN
 END $$;
 
 -- Free the key after a run.  p_done: the job is finished (ran, or will never run): its row goes
--- and the next job of the key, if it was parked, is returned to be sent in this transaction.
+-- and the next job of the key, if it was parked, is sent again in this statement (1 back).
 -- Otherwise (a failure: a retry or a dead letter follows) the job stays the head.
-CREATE FUNCTION {schema}.order_release(p_key text, p_seq bigint, p_token bigint, p_done boolean)
-RETURNS TABLE (message_id text, queue_name text, body bytea) LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+CREATE FUNCTION {schema}.order_release(
+    p_key text, p_seq bigint, p_token bigint, p_done boolean, p_target text, p_channel text
+) RETURNS int LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
 BEGIN
     PERFORM 1 FROM order_keys AS o WHERE o.key = p_key FOR UPDATE;
     UPDATE order_keys AS o SET holder_seq = NULL, token = NULL, owner = NULL, expires_at = NULL
@@ -191,40 +222,43 @@ BEGIN
     IF NOT p_done THEN
         UPDATE order_jobs AS j SET state = 'waiting'
          WHERE j.key = p_key AND j.seq = p_seq AND j.state = 'running';
-        RETURN;
+        RETURN 0;
     END IF;
     DELETE FROM order_jobs AS j WHERE j.key = p_key AND j.seq = p_seq;
-    RETURN QUERY SELECT * FROM order_wake(p_key);
+    RETURN order_wake(p_key, p_target, p_channel);
 END $$;
 
--- The head of p_key, if it was parked: marked waiting and returned to be sent.
-CREATE FUNCTION {schema}.order_wake(p_key text)
-RETURNS TABLE (message_id text, queue_name text, body bytea) LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+-- The head of p_key, if it was parked: marked waiting and sent again (1 back).
+CREATE FUNCTION {schema}.order_wake(p_key text, p_target text, p_channel text)
+RETURNS int LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
 DECLARE
     nxt record;
 BEGIN
-    SELECT j.seq, j.message_id, j.queue_name, j.body INTO nxt
+    SELECT j.seq, j.message_id, j.actor_name, j.queue_name, j.body INTO nxt
       FROM order_jobs AS j WHERE j.key = p_key ORDER BY j.seq LIMIT 1;
-    IF FOUND AND nxt.body IS NOT NULL THEN
-        UPDATE order_jobs AS j SET state = 'waiting', queue_name = NULL, body = NULL
-         WHERE j.key = p_key AND j.seq = nxt.seq;
-        RETURN QUERY SELECT nxt.message_id, nxt.queue_name, nxt.body;
+    IF NOT FOUND OR nxt.body IS NULL THEN
+        RETURN 0;
     END IF;
+    UPDATE order_jobs AS j SET state = 'waiting', queue_name = NULL, body = NULL
+     WHERE j.key = p_key AND j.seq = nxt.seq;
+    PERFORM flow_resend(p_target, p_channel, nxt.message_id, nxt.queue_name, nxt.actor_name, nxt.body);
+    RETURN 1;
 END $$;
 
 -- Free the keys whose holder stopped renewing its lease (a killed worker), and the keys whose dead
--- head was discarded from the dead letters; the parked heads to send are returned.
-CREATE FUNCTION {schema}.order_sweep(p_limit int)
-RETURNS TABLE (message_id text, queue_name text, body bytea) LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+-- head was discarded from the dead letters; their parked heads are sent again (how many back).
+CREATE FUNCTION {schema}.order_sweep(p_limit int, p_target text, p_channel text)
+RETURNS int LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
 DECLARE
     k text;
     s bigint;
+    total int := 0;
 BEGIN
     FOR k IN SELECT o.key FROM order_keys AS o
               WHERE o.holder_seq IS NOT NULL AND o.expires_at < now()
               ORDER BY o.expires_at LIMIT p_limit FOR UPDATE SKIP LOCKED LOOP
         UPDATE order_keys AS o SET holder_seq = NULL, token = NULL, owner = NULL, expires_at = NULL WHERE o.key = k;
-        RETURN QUERY SELECT * FROM order_wake(k);
+        total := total + order_wake(k, p_target, p_channel);
     END LOOP;
     FOR k, s IN SELECT j.key, j.seq FROM order_jobs AS j
                  WHERE j.state = 'dead'
@@ -236,7 +270,8 @@ BEGIN
         PERFORM 1 FROM order_keys AS o WHERE o.key = k FOR UPDATE;
         DELETE FROM order_jobs AS j WHERE j.key = k AND j.seq = s AND j.state = 'dead';
         IF FOUND THEN
-            RETURN QUERY SELECT * FROM order_wake(k);
+            total := total + order_wake(k, p_target, p_channel);
         END IF;
     END LOOP;
+    RETURN total;
 END $$;
