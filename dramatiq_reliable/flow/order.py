@@ -278,7 +278,7 @@ class OrderedKeys(Middleware):
             logger.error("%s", error)
             message.fail()
             raise SkipMessage(str(error))
-        database, schema, _ = self.database_for(broker)
+        database, schema, resend = self.database_for(broker)
         try:
             row = one_statement(
                 database,
@@ -289,6 +289,8 @@ class OrderedKeys(Middleware):
                     "lease_ms": self.lease_ms,
                     "queue_name": parked_queue(message),
                     "body": parked_body(message),
+                    # On a PostgresBroker the ack is a later synchronous commit that flushes the take too.
+                    "async": resend["target"] == "queue",
                 },
             )
         except (psycopg.Error, OSError, TimeoutError) as error:

@@ -232,3 +232,27 @@ def test_status_names_the_keys_that_wait_and_what_frees_a_dead_head(
     assert main([*base, "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["keys_waiting"]["order"]
     assert (row["key"], row["waiting"], row["head_state"], row["head_message_id"]) == ("7", 2, "dead", first.message_id)
+
+
+def test_a_head_whose_worker_died_before_its_release_is_sent_again_once_its_lease_lapses(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any]
+) -> None:
+    broker = PostgresBroker(database=database_url, schema=db_schema)
+    middleware = OrderedKeys(lease_ms=300)
+    broker.add_middleware(middleware)
+    try:
+        sync = dramatiq.actor(lambda n: None, actor_name="sync", queue_name="ordered", broker=broker, order_key=str)
+        sent = sync.send(1)
+        queue = sql.Identifier(db_schema, "queue")
+        (body,) = db.execute(sql.SQL("SELECT body FROM {}").format(queue)).fetchone() or (None,)
+        # A worker took the head and acked its delivery, then died before the release.
+        take = sql.SQL("SELECT outcome FROM {}.order_take(%s, 'gone', 300, 'ordered', %s, false)")
+        assert db.execute(take.format(sql.Identifier(db_schema)), (sent.message_id, body)).fetchone() == ("run",)
+        db.execute(sql.SQL("DELETE FROM {}").format(queue))
+        assert middleware.sweep(broker) == 0  # the lease still holds
+        wait_for(lambda: middleware.sweep(broker) == 1, message="the lapsed head was not sent again")
+        resent = db.execute(sql.SQL("SELECT message_id, queue_name FROM {}").format(queue)).fetchall()
+        assert resent == [(sent.message_id, "ordered")]
+        assert [(key, state) for key, _, state in _rows(db, db_schema)] == [("1", "waiting")]
+    finally:
+        broker.close()

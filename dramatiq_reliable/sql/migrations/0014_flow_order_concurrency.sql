@@ -60,6 +60,9 @@ BEGIN
     SELECT count(*) INTO live FROM concurrency_slots
      WHERE key = p_key AND expires_at > now();
     IF live < p_limit THEN
+        -- A slot lost in a Postgres crash only lets one more run in: no WAL flush waited for.
+        -- A park is flushed: the message is acked once it returns.
+        PERFORM set_config('synchronous_commit', 'off', true);
         INSERT INTO concurrency_slots (key, token, message_id, owner, expires_at)
         VALUES (p_key, nextval('flow_tokens'), p_message_id, p_owner,
                 now() + p_lease_ms * interval '1 millisecond')
@@ -80,6 +83,8 @@ CREATE FUNCTION {schema}.concurrency_release(
 DECLARE
     woken record;
 BEGIN
+    -- A release lost in a Postgres crash leaves the slot to lapse, and the sweep hands it on.
+    PERFORM set_config('synchronous_commit', 'off', true);
     PERFORM pg_advisory_xact_lock(hashtextextended(p_lock, 0));
     DELETE FROM concurrency_slots AS s WHERE s.key = p_key AND s.token = p_token;
     IF NOT FOUND THEN
@@ -172,7 +177,7 @@ END $$;
 -- 'parked' (not its turn, or its head runs elsewhere: the body waits here) or 'unknown' (no row:
 -- the job is done, a redelivery of it is a duplicate).
 CREATE FUNCTION {schema}.order_take(
-    p_message_id text, p_owner text, p_lease_ms bigint, p_queue_name text, p_body bytea
+    p_message_id text, p_owner text, p_lease_ms bigint, p_queue_name text, p_body bytea, p_async boolean
 ) RETURNS TABLE (outcome text, key text, seq bigint, token bigint) LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
 DECLARE
     k text;
@@ -199,12 +204,19 @@ BEGIN
         RETURN QUERY SELECT 'parked'::text, k, s, NULL::bigint;
         RETURN;
     END IF;
+    -- p_async (PostgresBroker): the ack of this delivery is a later synchronous commit of the same
+    -- server, which flushes this one too, so the take need not wait for its own WAL flush.
+    IF p_async THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
     UPDATE order_keys AS o
        SET holder_seq = s, token = nextval('flow_tokens'), owner = p_owner,
            expires_at = now() + p_lease_ms * interval '1 millisecond'
      WHERE o.key = k
     RETURNING o.token INTO t;
-    UPDATE order_jobs AS j SET state = 'running', queue_name = NULL, body = NULL
+    -- The running head keeps its body: if its release is lost (a crash, an outage) the lease
+    -- lapses and the sweep sends it again instead of leaving the key held for ever.
+    UPDATE order_jobs AS j SET state = 'running', queue_name = p_queue_name, body = p_body
      WHERE j.key = k AND j.seq = s;
     RETURN QUERY SELECT 'run'::text, k, s, t;
 END $$;
@@ -216,11 +228,14 @@ CREATE FUNCTION {schema}.order_release(
     p_key text, p_seq bigint, p_token bigint, p_done boolean, p_target text, p_channel text
 ) RETURNS int LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
 BEGIN
+    -- A release lost in a Postgres crash lets the lease lapse; the sweep then sends the head again
+    -- (its body is kept while it runs): a duplicate run at worst, never a key held for ever.
+    PERFORM set_config('synchronous_commit', 'off', true);
     PERFORM 1 FROM order_keys AS o WHERE o.key = p_key FOR UPDATE;
     UPDATE order_keys AS o SET holder_seq = NULL, token = NULL, owner = NULL, expires_at = NULL
      WHERE o.key = p_key AND o.token = p_token;
     IF NOT p_done THEN
-        UPDATE order_jobs AS j SET state = 'waiting'
+        UPDATE order_jobs AS j SET state = 'waiting', queue_name = NULL, body = NULL
          WHERE j.key = p_key AND j.seq = p_seq AND j.state = 'running';
         RETURN 0;
     END IF;
@@ -228,7 +243,8 @@ BEGIN
     RETURN order_wake(p_key, p_target, p_channel);
 END $$;
 
--- The head of p_key, if it was parked: marked waiting and sent again (1 back).
+-- The head of p_key, if its body is here (parked, or running under a lapsed lease): marked waiting
+-- and sent again (1 back).
 CREATE FUNCTION {schema}.order_wake(p_key text, p_target text, p_channel text)
 RETURNS int LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
 DECLARE
