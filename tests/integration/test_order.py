@@ -24,6 +24,7 @@ from dramatiq_reliable import (
     WorkerRelay,
 )
 from dramatiq_reliable.cli import main
+from dramatiq_reliable.jobs import cancel_job
 from dramatiq_reliable.dead_letters import PostgresDeadLetterStore
 from dramatiq_reliable.flow import OrderedKeys, order_waiting
 from dramatiq_reliable.testing import wait_for
@@ -256,3 +257,18 @@ def test_a_head_whose_worker_died_before_its_release_is_sent_again_once_its_leas
         assert [(key, state) for key, _, state in _rows(db, db_schema)] == [("1", "waiting")]
     finally:
         broker.close()
+
+
+def test_a_cancelled_job_gives_up_its_place_so_its_successors_run(
+    ordered: Any, queue: str, worker: dramatiq.Worker, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    runs: list[int] = []
+    step = dramatiq.actor(runs.append, actor_name="step", queue_name=queue, broker=ordered, order_key=lambda n: "k")
+    with ordered.transaction():
+        first = step.send_with_options(args=(0,), delay=60_000)  # waits in Postgres: cancel deletes it there
+        for n in range(1, 3):
+            step.send(n)
+    cancel_job(ordered.database, db_schema, first.message_id, by="test")
+    worker.start()
+    wait_for(lambda: runs == [1, 2], message=f"the cancelled head held its key: {runs}")
+    wait_for(lambda: not _rows(db, db_schema), message="places left behind")

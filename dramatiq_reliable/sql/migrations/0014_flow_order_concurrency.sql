@@ -243,16 +243,17 @@ BEGIN
     RETURN order_wake(p_key, p_target, p_channel);
 END $$;
 
--- The head of p_key, if its body is here (parked, or running under a lapsed lease): marked waiting
--- and sent again (1 back).
+-- The head of p_key, if it is not running and its body is here (parked, or freed from a lapsed
+-- lease by the sweep): marked waiting and sent again (1 back).
 CREATE FUNCTION {schema}.order_wake(p_key text, p_target text, p_channel text)
 RETURNS int LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
 DECLARE
     nxt record;
 BEGIN
-    SELECT j.seq, j.message_id, j.actor_name, j.queue_name, j.body INTO nxt
+    SELECT j.seq, j.state, j.message_id, j.actor_name, j.queue_name, j.body INTO nxt
       FROM order_jobs AS j WHERE j.key = p_key ORDER BY j.seq LIMIT 1;
-    IF NOT FOUND OR nxt.body IS NULL THEN
+    -- A running head keeps its body for the sweep of a lapsed lease: it is never sent from here.
+    IF NOT FOUND OR nxt.body IS NULL OR nxt.state = 'running' THEN
         RETURN 0;
     END IF;
     UPDATE order_jobs AS j SET state = 'waiting', queue_name = NULL, body = NULL
@@ -261,8 +262,9 @@ BEGIN
     RETURN 1;
 END $$;
 
--- Free the keys whose holder stopped renewing its lease (a killed worker), and the keys whose dead
--- head was discarded from the dead letters; their parked heads are sent again (how many back).
+-- Free the keys whose holder stopped renewing its lease (a killed worker), the keys whose dead
+-- head was discarded from the dead letters, and the places of cancelled jobs; the heads whose
+-- body is here are sent again (how many back).
 CREATE FUNCTION {schema}.order_sweep(p_limit int, p_target text, p_channel text)
 RETURNS int LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
 DECLARE
@@ -274,6 +276,7 @@ BEGIN
               WHERE o.holder_seq IS NOT NULL AND o.expires_at < now()
               ORDER BY o.expires_at LIMIT p_limit FOR UPDATE SKIP LOCKED LOOP
         UPDATE order_keys AS o SET holder_seq = NULL, token = NULL, owner = NULL, expires_at = NULL WHERE o.key = k;
+        UPDATE order_jobs AS j SET state = 'waiting' WHERE j.key = k AND j.state = 'running';
         total := total + order_wake(k, p_target, p_channel);
     END LOOP;
     FOR k, s IN SELECT j.key, j.seq FROM order_jobs AS j
@@ -285,6 +288,18 @@ BEGIN
                  LIMIT p_limit LOOP
         PERFORM 1 FROM order_keys AS o WHERE o.key = k FOR UPDATE;
         DELETE FROM order_jobs AS j WHERE j.key = k AND j.seq = s AND j.state = 'dead';
+        IF FOUND THEN
+            total := total + order_wake(k, p_target, p_channel);
+        END IF;
+    END LOOP;
+    -- Cancelled jobs ('jobs cancel' deletes a waiting one's message, so it never comes to take or
+    -- free its place): their places go, and a key whose head went is handed on.
+    FOR k, s IN SELECT j.key, j.seq FROM order_jobs AS j
+                  JOIN job_cancellations AS c ON c.message_id = j.message_id
+                 WHERE j.state <> 'running'
+                 LIMIT p_limit LOOP
+        PERFORM 1 FROM order_keys AS o WHERE o.key = k FOR UPDATE;
+        DELETE FROM order_jobs AS j WHERE j.key = k AND j.seq = s AND j.state <> 'running';
         IF FOUND THEN
             total := total + order_wake(k, p_target, p_channel);
         END IF;
