@@ -24,9 +24,9 @@ from dramatiq_reliable import (
     WorkerRelay,
 )
 from dramatiq_reliable.cli import main
-from dramatiq_reliable.jobs import cancel_job
 from dramatiq_reliable.dead_letters import PostgresDeadLetterStore
 from dramatiq_reliable.flow import OrderedKeys, order_waiting
+from dramatiq_reliable.jobs import cancel_job
 from dramatiq_reliable.testing import wait_for
 
 pytestmark = pytest.mark.integration
