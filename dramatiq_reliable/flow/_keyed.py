@@ -16,29 +16,36 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar
 
 import dramatiq
 import psycopg
-from dramatiq.broker import MessageProxy
+from dramatiq.broker import Broker, MessageProxy
 from dramatiq.common import q_name
 from dramatiq.message import Message
+from dramatiq.middleware import Middleware, SkipMessage
 from psycopg import sql
 from psycopg.rows import dict_row
 
+from .. import _sql
 from .. import schema as _schema
+from .._checks import check_ms
 from .._util import first_line
-from ..database import Database
-from ..errors import ActorOptionError, DatabaseUnavailable
+from ..backing import backing_of
+from ..database import Database, DatabaseLike
+from ..errors import ActorOptionError, DatabaseUnavailable, MiddlewareFailed
 from ..idempotency._connections import autocommit  # the pool's connections keep their mode
 from ..outbox.wake import channel
 
 __all__ = [
+    "DEFAULT_LEASE_MS",
     "MAX_KEY_CHARS",
     "Heartbeat",
     "Held",
+    "KeyedMiddleware",
     "check_key_option",
     "derive_key",
+    "fail_closed",
     "new_owner",
     "not_migrated",
     "one_statement",
@@ -57,6 +64,8 @@ class _Lease(Protocol):
 
 L = TypeVar("L", bound=_Lease)
 
+#: How long a lease outlives a holder that stopped renewing it (a killed worker).
+DEFAULT_LEASE_MS = 30_000
 #: Keys are built from IDs and plain text; a longer one is a bug in the key function.
 MAX_KEY_CHARS = 1000
 
@@ -201,3 +210,98 @@ class Heartbeat:
                 logger.warning(
                     "%s heartbeat failed; leases lapse unless the next one succeeds", self._name, exc_info=True
                 )
+
+
+def fail_closed(message: MessageProxy, error: ActorOptionError) -> NoReturn:
+    """A key that cannot be computed will not be computable on a retry: dead-letter the message unrun."""
+    logger.error("%s", error)
+    message.fail()
+    raise SkipMessage(str(error)) from error
+
+
+class KeyedMiddleware(Middleware, Generic[L]):
+    """What ``ConcurrencyLimit`` and ``OrderedKeys`` share: where their tables are, the leases this
+    process holds, the heartbeat that renews them and sweeps the lapsed ones, and how a take and a
+    release talk to Postgres."""
+
+    #: The middleware's name in errors, the actor option that enables it, the renew query.
+    label: ClassVar[str]
+    option: ClassVar[str]
+    renew_query: ClassVar[str]
+
+    def __init__(
+        self, *, database: DatabaseLike | None = None, schema: str | None = None, lease_ms: int = DEFAULT_LEASE_MS
+    ) -> None:
+        check_ms("lease_ms", lease_ms, minimum=300, fix="e.g. lease_ms=30_000, longer than a GC pause or a failover")
+        self.schema: str | None = None if schema is None else _sql.validate_schema(schema)
+        self.lease_ms = lease_ms
+        self.owner = new_owner()
+        self._own_database = Database.of(database) if database is not None else None
+        self._target: tuple[Database, str, dict[str, str]] | None = None
+        self._held: Held[L] = Held()
+        self._heartbeat: Heartbeat | None = None
+
+    def database_for(self, broker: Broker) -> tuple[Database, str, dict[str, str]]:
+        """The database and schema of ``broker``'s tables, and where a woken message is sent."""
+        if self._target is None:
+            backing = backing_of(
+                broker, needed_by=self.label, database=self._own_database, schema=self.schema, error=ActorOptionError
+            )
+            self._target = (backing.database, backing.schema, resend_to(backing.schema, backing.sends_to))
+        return self._target
+
+    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
+        if any(broker.get_actor(name).options.get(self.option) for name in broker.get_declared_actors()):
+            name = f"dramatiq-reliable-{self.label}"
+            self._heartbeat = Heartbeat(name, self.lease_ms // 3, lambda: self._beat(broker))
+            self._heartbeat.start()
+
+    def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+
+    def _beat(self, broker: Broker) -> None:
+        self.renew(broker)
+        self.sweep(broker)
+
+    def renew(self, broker: Broker) -> None:
+        """Push back the expiry of every lease this process holds (the heartbeat calls it)."""
+        params = self._held.renewal(self.lease_ms)
+        if params is not None:
+            database, schema, _ = self.database_for(broker)
+            with database.connection() as conn, autocommit(conn):
+                conn.execute(_sql.query(self.renew_query, schema), params)
+
+    def sweep(self, broker: Broker) -> int:
+        """Hand on what killed workers held; returns how many messages were sent again."""
+        raise NotImplementedError
+
+    def _take(self, broker: Broker, query: str, params: dict[str, Any], what: str) -> dict[str, Any]:
+        """Run a take; any failure stops the actor with a ``MiddlewareError`` (the only kind Dramatiq
+        lets out of a before-hook: anything else and the job would run unprotected)."""
+        database, schema, _ = self.database_for(broker)
+        try:
+            return one_statement(database, _sql.rendered(query, schema), params)
+        except (psycopg.Error, OSError, TimeoutError) as error:
+            raise not_migrated(error, schema, self.label) or DatabaseUnavailable(
+                f"{self.label} could not {what}: {type(error).__name__}: {first_line(error)}; the actor did not run "
+                "and the message will be retried once Postgres answers"
+            ) from error
+        except Exception as error:
+            raise MiddlewareFailed(
+                f"{self.label} could not {what}: {type(error).__name__}: {first_line(error)}; the actor did not run, "
+                "report this as a bug"
+            ) from error
+
+    def _free(self, broker: Broker, query: str, params: dict[str, Any], what: str) -> None:
+        """Run a release; a failure only leaves the lease to lapse, and the sweep hands it on."""
+        self._held.drop()
+        database, schema, resend = self.database_for(broker)
+        try:
+            one_statement(database, _sql.rendered(query, schema), {**params, **resend})
+        except Exception:
+            logger.warning("could not free %s; it lapses after %d ms", what, self.lease_ms, exc_info=True)
+
+    def _sweep(self, broker: Broker, query: str, params: dict[str, Any]) -> int:
+        database, schema, resend = self.database_for(broker)
+        return int(one_statement(database, _sql.query(query, schema), {**params, **resend})["woken"])

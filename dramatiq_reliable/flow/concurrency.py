@@ -22,41 +22,22 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import logging
 from typing import Any
 
 import dramatiq
 import psycopg
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.errors import ActorNotFound
-from dramatiq.middleware import Middleware, SkipMessage
+from dramatiq.middleware import SkipMessage
 from psycopg.rows import dict_row
 
 from .. import _sql, events
-from .._checks import check_ms, is_int
-from .._util import first_line
-from ..backing import backing_of
-from ..database import Database, DatabaseLike
-from ..errors import ActorOptionError, DatabaseUnavailable, MiddlewareFailed
-from ..idempotency._connections import autocommit
-from ._keyed import (
-    Heartbeat,
-    Held,
-    check_key_option,
-    derive_key,
-    new_owner,
-    not_migrated,
-    one_statement,
-    parked_body,
-    parked_queue,
-    resend_to,
-)
+from .._checks import is_int
+from ..errors import ActorOptionError
+from ._keyed import KeyedMiddleware, check_key_option, derive_key, fail_closed, parked_body, parked_queue
 
 __all__ = ["ConcurrencyLimit", "ConcurrencyParked", "concurrency_waiting"]
 
-logger = logging.getLogger("dramatiq_reliable.flow.concurrency")
-
-DEFAULT_LEASE_MS = 30_000
 _OPTIONS = frozenset({"concurrency_limit", "concurrency_limit_key"})
 # How many keys with lapsed slots one heartbeat sweeps.
 _SWEEP_LIMIT = 100
@@ -83,7 +64,7 @@ class _Slot:
 _current: contextvars.ContextVar[_Slot | None] = contextvars.ContextVar("dramatiq_reliable_slot", default=None)
 
 
-class ConcurrencyLimit(Middleware):
+class ConcurrencyLimit(KeyedMiddleware[_Slot]):
     """At most ``concurrency_limit`` runs per key at once, across every worker and host.
 
     Actor options:
@@ -92,47 +73,29 @@ class ConcurrencyLimit(Middleware):
         ``lambda tenant_id, *_: f"tenant-{tenant_id}"``; default the actor's name (the limit is
         then the actor's, fleet-wide).  Distinct from the singleton's ``concurrency_key``.
 
-    A job whose key is full is parked in Postgres (not failed, not a retry, no thread held) and
-    sent again when a run of its key ends, oldest first per key; a killed worker's slot frees
-    after ``lease_ms`` (the heartbeat renews live slots every ``lease_ms / 3``).  A key function
-    that raises or returns no usable string fails closed: the job does not run and is
-    dead-lettered (``message.fail()``).  Postgres down while taking a slot: the job does not run
-    and ``DatabaseUnavailable`` lets the retries retry it.
+    Parameters:
+      database, schema: where the tables live; default the broker's (an ``OutboxBroker`` or a
+        ``PostgresBroker``: a woken message is sent again as a row of its outbox or queue table).
+      lease_ms: how long a slot outlives a holder that stopped renewing it (a killed worker);
+        the heartbeat renews every ``lease_ms / 3``.
 
-    Needs an ``OutboxBroker`` or ``PostgresBroker`` (parked messages are sent again in the
-    transaction that frees the slot).  Put it before :class:`OrderedKeys` and ``Idempotency``:
+    A job whose key is full is parked in Postgres (not failed, not a retry, no thread held) and
+    sent again when a run of its key ends, oldest first per key.  A key function that raises or
+    returns no usable string fails closed: the job does not run and is dead-lettered
+    (``message.fail()``).  Postgres down while taking a slot: the job does not run and
+    ``DatabaseUnavailable`` lets the retries retry it.  Put it before :class:`OrderedKeys` and
+    ``Idempotency``:
 
     >>> broker.add_middleware(ConcurrencyLimit())  # doctest: +SKIP
     """
 
-    def __init__(
-        self, *, database: DatabaseLike | None = None, schema: str | None = None, lease_ms: int = DEFAULT_LEASE_MS
-    ) -> None:
-        check_ms("lease_ms", lease_ms, minimum=300, fix="e.g. lease_ms=30_000, longer than a GC pause or a failover")
-        self.schema: str | None = None if schema is None else _sql.validate_schema(schema)
-        self.lease_ms = lease_ms
-        self.owner = new_owner()
-        self._own_database = Database.of(database) if database is not None else None
-        self._target: tuple[Database, str, dict[str, str]] | None = None
-        self._held: Held[_Slot] = Held()
-        self._heartbeat: Heartbeat | None = None
+    label = "ConcurrencyLimit"
+    option = "concurrency_limit"
+    renew_query = "concurrency_renew"
 
     @property
     def actor_options(self) -> set[str]:
         return set(_OPTIONS)
-
-    def database_for(self, broker: Broker) -> tuple[Database, str, dict[str, str]]:
-        """The database and schema the slots of ``broker``'s actors live in."""
-        if self._target is None:
-            backing = backing_of(
-                broker,
-                needed_by="ConcurrencyLimit",
-                database=self._own_database,
-                schema=self.schema,
-                error=ActorOptionError,
-            )
-            self._target = (backing.database, backing.schema, resend_to(backing.schema, backing.sends_to))
-        return self._target
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
         name = actor.actor_name
@@ -162,17 +125,6 @@ class ConcurrencyLimit(Middleware):
         """The per-key lock that parking and freeing share (prefix + key, as the sweep builds it)."""
         return f"{_lock_prefix(schema)}{key}"
 
-    # -- hooks --------------------------------------------------------------------------------
-
-    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
-        if any(broker.get_actor(n).options.get("concurrency_limit") for n in broker.get_declared_actors()):
-            self._heartbeat = Heartbeat("dramatiq-reliable-concurrency", self.lease_ms // 3, lambda: self._beat(broker))
-            self._heartbeat.start()
-
-    def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         _current.set(None)
         try:
@@ -182,43 +134,23 @@ class ConcurrencyLimit(Middleware):
         try:
             key = self.key_for(actor, message)
         except ActorOptionError as error:
-            logger.error("%s", error)
-            message.fail()
-            raise SkipMessage(str(error)) from error
+            fail_closed(message, error)
         if key is None:
             return
         limit = int(actor.options["concurrency_limit"])
-        database, schema, _ = self.database_for(broker)
-        try:
-            row = one_statement(
-                database,
-                _sql.rendered("concurrency_take", schema),
-                {
-                    "lock": self.lock_name(schema, key),
-                    "key": key,
-                    "limit": limit,
-                    "message_id": message.message_id,
-                    "actor_name": message.actor_name,
-                    "owner": self.owner,
-                    "lease_ms": self.lease_ms,
-                    "queue_name": parked_queue(message),
-                    "body": parked_body(message),
-                },
-            )
-        except (psycopg.Error, OSError, TimeoutError) as error:
-            missing = not_migrated(error, schema, "ConcurrencyLimit")
-            if missing is not None:
-                raise missing from error
-            raise DatabaseUnavailable(
-                f"ConcurrencyLimit could not take a slot of {key!r} for message {message.message_id!r}: "
-                f"{type(error).__name__}: {first_line(error)}; the actor did not run and the message will be retried "
-                "once Postgres answers"
-            ) from error
-        except Exception as error:
-            raise MiddlewareFailed(
-                f"ConcurrencyLimit could not take a slot of {key!r} for message {message.message_id!r}: {type(error).__name__}: "
-                f"{first_line(error)}; the actor did not run, report this as a bug"
-            ) from error
+        _, schema, _ = self.database_for(broker)
+        params = {
+            "lock": self.lock_name(schema, key),
+            "key": key,
+            "limit": limit,
+            "message_id": message.message_id,
+            "actor_name": message.actor_name,
+            "owner": self.owner,
+            "lease_ms": self.lease_ms,
+            "queue_name": parked_queue(message),
+            "body": parked_body(message),
+        }
+        row = self._take(broker, "concurrency_take", params, f"take a slot of {key!r} for {message.message_id!r}")
         if row["token"] is None:
             # Parked durably first, acked after (SkipMessage): a crash in between duplicates, never loses.
             events.emit(ConcurrencyParked(message.actor_name, message.message_id, key, limit))
@@ -240,45 +172,19 @@ class ConcurrencyLimit(Middleware):
     def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         self._release(broker, message)
 
-    # -- slots --------------------------------------------------------------------------------
-
     def _release(self, broker: Broker, message: MessageProxy) -> None:
         slot = _current.get()
         if slot is None or slot.message_id != message.message_id:
             return
         _current.set(None)
-        self._held.drop()
-        database, schema, resend = self.database_for(broker)
-        params = {"lock": self.lock_name(schema, slot.key), "key": slot.key, "token": slot.token, **resend}
-        try:
-            one_statement(database, _sql.rendered("concurrency_release", schema), params)
-        except Exception:
-            # The slot lapses after lease_ms and the sweep hands its place on.
-            logger.warning(
-                "could not free the concurrency slot %r of message %s; it lapses after %d ms",
-                slot.key,
-                slot.message_id,
-                self.lease_ms,
-                exc_info=True,
-            )
-
-    def _beat(self, broker: Broker) -> None:
-        self.renew(broker)
-        self.sweep(broker)
-
-    def renew(self, broker: Broker) -> None:
-        """Push back the expiry of every slot this process holds (the heartbeat calls it)."""
-        params = self._held.renewal(self.lease_ms)
-        if params is not None:
-            database, schema, _ = self.database_for(broker)
-            with database.connection() as conn, autocommit(conn):
-                conn.execute(_sql.query("concurrency_renew", schema), params)
+        _, schema, _ = self.database_for(broker)
+        params = {"lock": self.lock_name(schema, slot.key), "key": slot.key, "token": slot.token}
+        self._free(broker, "concurrency_release", params, f"the concurrency slot {slot.key!r} of {slot.message_id}")
 
     def sweep(self, broker: Broker) -> int:
         """Hand the places of lapsed slots (killed workers) to parked messages; returns how many were sent."""
-        database, schema, resend = self.database_for(broker)
-        params = {"lock_prefix": _lock_prefix(schema), "limit": _SWEEP_LIMIT, **resend}
-        return int(one_statement(database, _sql.query("concurrency_sweep", schema), params)["woken"])
+        _, schema, _ = self.database_for(broker)
+        return self._sweep(broker, "concurrency_sweep", {"lock_prefix": _lock_prefix(schema), "limit": _SWEEP_LIMIT})
 
 
 def _lock_prefix(schema: str) -> str:

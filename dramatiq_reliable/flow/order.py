@@ -31,37 +31,31 @@ import psycopg
 from dramatiq.broker import Broker, MessageProxy
 from dramatiq.errors import ActorNotFound
 from dramatiq.message import Message
-from dramatiq.middleware import Middleware, SkipMessage
+from dramatiq.middleware import SkipMessage
 from dramatiq.worker import WorkerThread
 from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
 from .. import _sql, events
-from .._checks import check_ms
 from .._util import first_line, redact
-from ..backing import backing_of
 from ..binding import ambient_connection, bind, bound_connection, check_joinable
-from ..database import Database, DatabaseLike
-from ..errors import ActorOptionError, DatabaseUnavailable, MiddlewareFailed
+from ..database import Database
+from ..errors import ActorOptionError, DatabaseUnavailable
 from ..idempotency._connections import autocommit
 from ._keyed import (
-    Heartbeat,
-    Held,
+    KeyedMiddleware,
     check_key_option,
     derive_key,
-    new_owner,
+    fail_closed,
     not_migrated,
-    one_statement,
     parked_body,
     parked_queue,
-    resend_to,
 )
 
 __all__ = ["ORDER_SEQ_OPTION", "OrderParked", "OrderedKeys", "order_waiting"]
 
 logger = logging.getLogger("dramatiq_reliable.flow.order")
 
-DEFAULT_LEASE_MS = 30_000
 #: The message option holding the job's place in its key's sequence (retries and replays keep it).
 ORDER_SEQ_OPTION = "order_seq"
 # How many keys one heartbeat frees.
@@ -96,7 +90,7 @@ _own: contextvars.ContextVar[tuple[str, contextlib.ExitStack] | None] = contextv
 )
 
 
-class OrderedKeys(Middleware):
+class OrderedKeys(KeyedMiddleware[_Head]):
     """Jobs of one ``order_key`` run one at a time, in send order; other keys run alongside.
 
     Actor option:
@@ -110,37 +104,26 @@ class OrderedKeys(Middleware):
     cannot be combined with a ``dedupe_key`` (a duplicate writes no message, and its place would
     hold the key for ever).
 
-    Needs an ``OutboxBroker`` or ``PostgresBroker``.  Add it after ``Singleton`` and
+    Parameters:
+      database, schema: where the tables live; default the broker's (an ``OutboxBroker`` or a
+        ``PostgresBroker``: a woken message is sent again as a row of its outbox or queue table).
+      lease_ms: how long a running head's lease outlives a holder that stopped renewing it (a
+        killed worker); the heartbeat renews every ``lease_ms / 3``.
+
+    Add it after ``Singleton`` and
     :class:`ConcurrencyLimit` (they may postpone a message it lets run) and before
     ``Idempotency``:
 
     >>> broker.add_middleware(OrderedKeys())  # doctest: +SKIP
     """
 
-    def __init__(
-        self, *, database: DatabaseLike | None = None, schema: str | None = None, lease_ms: int = DEFAULT_LEASE_MS
-    ) -> None:
-        check_ms("lease_ms", lease_ms, minimum=300, fix="e.g. lease_ms=30_000, longer than a GC pause or a failover")
-        self.schema: str | None = None if schema is None else _sql.validate_schema(schema)
-        self.lease_ms = lease_ms
-        self.owner = new_owner()
-        self._own_database = Database.of(database) if database is not None else None
-        self._target: tuple[Database, str, dict[str, str]] | None = None
-        self._held: Held[_Head] = Held()
-        self._heartbeat: Heartbeat | None = None
+    label = "OrderedKeys"
+    option = "order_key"
+    renew_query = "order_renew"
 
     @property
     def actor_options(self) -> set[str]:
         return {"order_key"}
-
-    def database_for(self, broker: Broker) -> tuple[Database, str, dict[str, str]]:
-        """The database and schema of ``broker``'s key sequences."""
-        if self._target is None:
-            backing = backing_of(
-                broker, needed_by="OrderedKeys", database=self._own_database, schema=self.schema, error=ActorOptionError
-            )
-            self._target = (backing.database, backing.schema, resend_to(backing.schema, backing.sends_to))
-        return self._target
 
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
         if check_key_option(actor, "order_key", "lambda account_id, *_: f'account-{account_id}'") is None:
@@ -256,15 +239,6 @@ class OrderedKeys(Middleware):
                     "or postpones would lose its place; add OrderedKeys after it"
                 )
 
-    def after_worker_boot(self, broker: Broker, worker: Any) -> None:
-        if any(broker.get_actor(n).options.get("order_key") for n in broker.get_declared_actors()):
-            self._heartbeat = Heartbeat("dramatiq-reliable-order", self.lease_ms // 3, lambda: self._beat(broker))
-            self._heartbeat.start()
-
-    def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         _current.set(None)
         if self._derive_of(broker, message.actor_name) is None:
@@ -275,38 +249,18 @@ class OrderedKeys(Middleware):
                 "sequence (it was sent by a process without OrderedKeys); it was not run: add OrderedKeys to the "
                 "sender's broker and replay the dead letter"
             )
-            logger.error("%s", error)
-            message.fail()
-            raise SkipMessage(str(error))
-        database, schema, resend = self.database_for(broker)
-        try:
-            row = one_statement(
-                database,
-                _sql.rendered("order_take", schema),
-                {
-                    "message_id": message.message_id,
-                    "owner": self.owner,
-                    "lease_ms": self.lease_ms,
-                    "queue_name": parked_queue(message),
-                    "body": parked_body(message),
-                    # On a PostgresBroker the ack is a later synchronous commit that flushes the take too.
-                    "async": resend["target"] == "queue",
-                },
-            )
-        except (psycopg.Error, OSError, TimeoutError) as error:
-            missing = not_migrated(error, schema, "OrderedKeys")
-            if missing is not None:
-                raise missing from error
-            raise DatabaseUnavailable(
-                f"OrderedKeys could not look up message {message.message_id!r} of actor {message.actor_name!r}: "
-                f"{type(error).__name__}: {first_line(error)}; the actor did not run and the message will be retried "
-                "once Postgres answers"
-            ) from error
-        except Exception as error:
-            raise MiddlewareFailed(
-                f"OrderedKeys could not look up message {message.message_id!r}: {type(error).__name__}: "
-                f"{first_line(error)}; the actor did not run, report this as a bug"
-            ) from error
+            fail_closed(message, error)
+        _, _, resend = self.database_for(broker)
+        params = {
+            "message_id": message.message_id,
+            "owner": self.owner,
+            "lease_ms": self.lease_ms,
+            "queue_name": parked_queue(message),
+            "body": parked_body(message),
+            # On a PostgresBroker the ack is a later synchronous commit that flushes the take too.
+            "async": resend["target"] == "queue",
+        }
+        row = self._take(broker, "order_take", params, f"look up message {message.message_id!r}")
         if row["outcome"] == "unknown":
             raise SkipMessage(f"message {message.message_id!r} is done already (its place is gone); a redelivery")
         if row["outcome"] == "parked":
@@ -347,37 +301,13 @@ class OrderedKeys(Middleware):
         if head is None or head.message_id != message.message_id:
             return
         _current.set(None)
-        self._held.drop()
-        database, schema, resend = self.database_for(broker)
-        params = {"key": head.key, "seq": head.seq, "token": head.token, "done": done, **resend}
-        try:
-            one_statement(database, _sql.rendered("order_release", schema), params)
-        except Exception:
-            logger.warning(
-                "could not free order key %r after message %s; its lease lapses after %d ms",
-                head.key,
-                head.message_id,
-                self.lease_ms,
-                exc_info=True,
-            )
-
-    def _beat(self, broker: Broker) -> None:
-        self.renew(broker)
-        self.sweep(broker)
-
-    def renew(self, broker: Broker) -> None:
-        """Push back the lease of every key whose head this process runs (the heartbeat calls it)."""
-        params = self._held.renewal(self.lease_ms)
-        if params is not None:
-            database, schema, _ = self.database_for(broker)
-            with database.connection() as conn, autocommit(conn):
-                conn.execute(_sql.query("order_renew", schema), params)
+        params = {"key": head.key, "seq": head.seq, "token": head.token, "done": done}
+        self._free(broker, "order_release", params, f"order key {head.key!r} after message {head.message_id}")
 
     def sweep(self, broker: Broker) -> int:
-        """Free the keys of killed workers and of discarded dead heads; returns how many parked heads were sent."""
-        database, schema, resend = self.database_for(broker)
-        params = {"limit": _SWEEP_LIMIT, **resend}
-        return int(one_statement(database, _sql.query("order_sweep", schema), params)["woken"])
+        """Free the keys of killed workers, of discarded dead heads and of cancelled jobs; returns how
+        many heads were sent again."""
+        return self._sweep(broker, "order_sweep", {"limit": _SWEEP_LIMIT})
 
 
 def _in_worker() -> bool:
