@@ -3,7 +3,6 @@ tenant with a backlog does not hold up a tenant with three jobs."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import time
 import uuid
@@ -15,7 +14,7 @@ import dramatiq
 import psycopg
 import pytest
 from psycopg import sql
-from worker_apps import start_app, stop_app
+from worker_apps import kill_app, start_app, stop_app
 
 from dramatiq_reliable import PostgresBroker
 from dramatiq_reliable.testing import wait_for
@@ -76,14 +75,8 @@ def test_a_worker_killed_while_holding_a_slot_frees_it_after_the_lease(
         wait_for(lambda: db.execute(runs).fetchall(), timeout_ms=30_000, message="the first worker never ran job 0")
         _send(sender, queue, "t", range(1, 2))
         wait_for(lambda: _count(db, db_schema, "concurrency_parked") == 1, message="job 1 was not parked behind job 0")
-        doomed.send_signal(signal.SIGKILL)
-        doomed.wait(timeout=10)
     finally:
-        if doomed.poll() is None:
-            doomed.kill()
-            doomed.wait(timeout=10)
-        if doomed.stdin is not None:
-            doomed.stdin.close()
+        kill_app(doomed)
     killed_at = time.monotonic()
     survivor = _worker(database_url, db_schema, queue, LIMIT="1")
     try:
