@@ -35,7 +35,7 @@ and the retry middleware retries the message.
 from __future__ import annotations
 
 from ..errors import ActorOptionError, IdempotencyConflict, IdempotencyKeyError, JobCommitFailed, NoCurrentJob
-from .context import Job, Mode, current_job, external_key, job_connection
+from .context import Job, JobConnections, Mode, PooledJobConnections, current_job, external_key, job_connection
 from .events import (
     IdempotencyCommitFailed,
     IdempotencyDuplicateSkipped,
@@ -66,8 +66,10 @@ __all__ = [
     "IdempotencyUnavailable",
     "Job",
     "JobCommitFailed",
+    "JobConnections",
     "Mode",
     "NoCurrentJob",
+    "PooledJobConnections",
     "PostgresIdempotencyStore",
     "StoredKey",
     "current_job",
