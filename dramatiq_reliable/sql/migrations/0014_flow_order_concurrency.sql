@@ -192,9 +192,14 @@ BEGIN
         RETURN QUERY SELECT 'unknown'::text, NULL::text, NULL::bigint, NULL::bigint;
         RETURN;
     END IF;
-    INSERT INTO order_keys AS o (key) VALUES (k)
-    ON CONFLICT ON CONSTRAINT order_keys_pkey DO UPDATE SET key = o.key
-    RETURNING o.holder_seq, o.expires_at INTO held_seq, held_until;
+    -- The key's row is its lock (take and release of one key never interleave); a row lock
+    -- writes no new row version, the insert only happens on a key's first take.
+    SELECT o.holder_seq, o.expires_at INTO held_seq, held_until FROM order_keys AS o WHERE o.key = k FOR UPDATE;
+    IF NOT FOUND THEN
+        INSERT INTO order_keys AS o (key) VALUES (k)
+        ON CONFLICT ON CONSTRAINT order_keys_pkey DO UPDATE SET key = o.key
+        RETURNING o.holder_seq, o.expires_at INTO held_seq, held_until;
+    END IF;
     SELECT min(j.seq) INTO head FROM order_jobs AS j WHERE j.key = k;
     IF s <> head OR (held_seq IS NOT NULL AND held_until > now()) THEN
         UPDATE order_jobs AS j
