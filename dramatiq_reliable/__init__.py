@@ -44,6 +44,7 @@ from .errors import (
     TargetUnknown,
     Unrecoverable,
 )
+from .flow import ConcurrencyLimit, OrderedKeys, RateLimit, RateLimits
 from .idempotency import (
     Idempotency,
     IdempotencyStore,
@@ -70,6 +71,7 @@ __all__ = [
     "CheckpointWindow",
     "ClassifiedRetries",
     "CommitOutcomeUnknown",
+    "ConcurrencyLimit",
     "ConfigurationError",
     "Database",
     "DatabaseUnavailable",
@@ -90,6 +92,7 @@ __all__ = [
     "MiddlewareFailed",
     "NoCurrentJob",
     "NotBound",
+    "OrderedKeys",
     "OutboxBroker",
     "OutboxWriteError",
     "PayloadError",
@@ -97,6 +100,8 @@ __all__ = [
     "PostgresDeadLetterStore",
     "PostgresIdempotencyStore",
     "QueueMismatch",
+    "RateLimit",
+    "RateLimits",
     "Relay",
     "RelayOptions",
     "ReliableError",

@@ -34,6 +34,7 @@ __all__ = [
     "JOBS_VERSION",
     "LATEST_VERSION",
     "LONG_JOBS_VERSION",
+    "ORDER_CONCURRENCY_VERSION",
     "OUTBOX_VERSION",
     "QUEUE_VERSION",
     "RATE_LIMITS_VERSION",
@@ -67,6 +68,8 @@ DEDUPE_VERSION = 11
 CANCEL_VERSION = 12
 # Rate limits per key (the rate_limit_buckets table of RateLimits): created by 13.
 RATE_LIMITS_VERSION = 13
+# Order per key and concurrency per key (flow/order.py, flow/concurrency.py): created by 14.
+ORDER_CONCURRENCY_VERSION = 14
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
