@@ -675,6 +675,7 @@ class HealthMonitor:
       queues: called at each refresh for the queues to report (e.g. a broker's declared queues).
       ttl_ms: how long a reading is reused.
       statement_timeout_ms: a bound on each query, so a scrape never waits on a locked table.
+      retries_waiting: also count the retries not yet due (scans the outbox's delayed rows).
     """
 
     def __init__(
@@ -686,8 +687,10 @@ class HealthMonitor:
         queues: Callable[[], Iterable[str]] = tuple,
         ttl_ms: int = 10_000,
         statement_timeout_ms: int = 2000,
+        retries_waiting: bool = False,
     ) -> None:
         check_ms("ttl_ms", ttl_ms, minimum=0, fix="e.g. ttl_ms=10000")
+        self.retries_waiting = check_bool("retries_waiting", retries_waiting)
         check_ms("statement_timeout_ms", statement_timeout_ms, minimum=1, fix="e.g. statement_timeout_ms=2000")
         self.database = database
         self.schema = _sql.validate_schema(schema)
@@ -713,6 +716,7 @@ class HealthMonitor:
                     rabbitmq=self.rabbitmq,
                     queues=list(self.queues()),
                     discover_queues=False,
+                    retries_waiting=self.retries_waiting,
                     statement_timeout_ms=self.statement_timeout_ms,
                 )
             except Exception as error:
