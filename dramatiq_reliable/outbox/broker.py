@@ -27,7 +27,7 @@ from dramatiq.middleware import Middleware
 from dramatiq.worker import ConsumerThread
 from psycopg.rows import dict_row
 
-from .. import _sql, dedupe, schema
+from .. import _sql, schema
 from .._checks import check_ms
 from .._tcp import DEFAULT_TCP_USER_TIMEOUT_MS, bound_tcp, check_tcp_user_timeout_ms
 from ..backing import SendsTo
@@ -130,6 +130,8 @@ class OutboxBroker(SpreadsOverNodes, DeclaresQueues, RowSending, RabbitmqBroker)
     sends_to: ClassVar[SendsTo] = "outbox"
     table: ClassVar[str] = "outbox"
     required_version: ClassVar[int] = schema.OUTBOX_VERSION
+    insert_query: ClassVar[str] = "outbox_insert"
+    insert_dedupe_query: ClassVar[str] = "outbox_insert_dedupe"
 
     def __init__(
         self,
@@ -236,12 +238,6 @@ class OutboxBroker(SpreadsOverNodes, DeclaresQueues, RowSending, RabbitmqBroker)
         row["queue_name"] = canonical
         row["body"] = self.encode(due, warn=False)
         return row
-
-    def _insert(self, conn: psycopg.Connection[Any], row: Row) -> None:
-        conn.execute(_sql.rendered("outbox_insert", self.schema), row)
-
-    def _insert_deduped(self, conn: psycopg.Connection[Any], row: Row, key: str, window_ms: int) -> str:
-        return dedupe.insert_row(conn, _sql.rendered("outbox_insert_dedupe", self.schema), row, key, window_ms)
 
     # -- tests' helpers: join and flush ----------------------------------------------------------
 
