@@ -19,25 +19,22 @@ patching a method onto it would change every actor of every broker in the proces
 function taking the actor works with any actor, is typed, and on a broker that is not ours
 (``StubBroker`` in tests) it falls back to that broker's ``enqueue``.
 
-Async actors (Dramatiq's ``AsyncIO`` middleware) run on an event loop thread that does not see
-the worker thread's context variables: the job of ``Idempotency``, the bound connection and the
-message being processed would be lost.  Our brokers re-wrap an async actor when it is declared
-(:func:`carry_context`) so its coroutine runs with a copy of the worker thread's context.
+Async actors (Dramatiq's ``AsyncIO`` middleware) need nothing more: Dramatiq hands the
+coroutine to its event loop thread with ``run_coroutine_threadsafe``, whose
+``call_soon_threadsafe`` copies the *calling* worker thread's context, so the coroutine's task
+sees the job of ``Idempotency``, the bound job connection and the message being processed
+(tests/integration/test_send_async.py runs such an actor on both brokers).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
-import inspect
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import dramatiq
 import psycopg
-from dramatiq.asyncio import async_to_sync
 from dramatiq.message import Message
 
 from .binding import bind, bound_transaction
@@ -46,7 +43,7 @@ from .errors import ConfigurationError
 if TYPE_CHECKING:
     from .database import Database
 
-__all__ = ["BrokerTransaction", "carry_context", "send_async", "send_async_with_options"]
+__all__ = ["BrokerTransaction", "send_async", "send_async_with_options"]
 
 
 class BrokerTransaction:
@@ -132,33 +129,3 @@ async def send_async_with_options(
         # enqueue does no database I/O of ours.
         return actor.broker.enqueue(message, delay=delay)
     return await enqueue_async(message, delay=delay)
-
-
-def carry_context(actor: dramatiq.Actor[Any, Any]) -> None:
-    """Run an async actor's coroutine with a copy of the worker thread's context variables.
-
-    Dramatiq hands the coroutine to its event loop thread (``run_coroutine_threadsafe``), where
-    it would run in that thread's context: ``current_job()``, ``job_connection()`` and the bound
-    job connection would not be there, and ``await send_async(...)`` would commit on its own
-    instead of joining the job's transaction.  The copy is set inside the coroutine's own task,
-    so no other coroutine on the loop sees it.  Sync actors, and actors already carried, are
-    left alone.
-    """
-    wrapper = actor.fn
-    coroutine_fn = getattr(wrapper, "__wrapped__", None)
-    if getattr(wrapper, "_carries_context", False) or not inspect.iscoroutinefunction(coroutine_fn):
-        return
-
-    @functools.wraps(coroutine_fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        context = contextvars.copy_context()
-
-        async def in_context() -> Any:
-            for variable, value in context.items():
-                variable.set(value)
-            return await coroutine_fn(*args, **kwargs)
-
-        return async_to_sync(in_context)()
-
-    run._carries_context = True  # type: ignore[attr-defined]
-    actor.fn = run

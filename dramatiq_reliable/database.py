@@ -221,7 +221,9 @@ class Database:
                     AsyncConnectionPool(
                         self.conninfo,
                         kwargs={**connection_kwargs(self.conninfo), **options},
-                        min_size=1,
+                        # no connection opened in the background: a loop that ends without
+                        # aclose() then has no connect of ours in flight to cancel
+                        min_size=0,
                         max_size=self.pool.max_size,
                         open=False,
                         name="dramatiq-reliable-async",

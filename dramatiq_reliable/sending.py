@@ -53,7 +53,7 @@ from . import dedupe as _dedupe
 from . import schema as _schema
 from ._checks import check_choice, check_int, check_ms
 from ._util import first_line, redact
-from .async_sending import BrokerTransaction, carry_context
+from .async_sending import BrokerTransaction
 from .backing import SendsTo
 from .binding import ambient_connection, bound_async_connection, bound_connection, check_joinable
 from .database import Database, DatabaseLike
@@ -272,11 +272,6 @@ class RowSending:
         closed on its own loop), then everything ``close()`` closes, in a thread."""
         await self.database.aclose()
         await asyncio.to_thread(self.close)  # type: ignore[attr-defined]
-
-    def declare_actor(self, actor: Any) -> None:
-        """Declare ``actor``; an async one runs with the worker thread's context (:func:`carry_context`)."""
-        super().declare_actor(actor)  # type: ignore[misc]
-        carry_context(actor)
 
     # -- sending -----------------------------------------------------------------------------------
 
