@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from ..errors import ActorOptionError, IdempotencyConflict, IdempotencyKeyError, JobCommitFailed, NoCurrentJob
 from .async_job import AsyncJobConnection, job_connection_async
-from .context import Job, Mode, current_job, external_key, job_connection
+from .context import Job, JobConnections, Mode, PooledJobConnections, current_job, external_key, job_connection
 from .events import (
     IdempotencyCommitFailed,
     IdempotencyDuplicateSkipped,
@@ -68,8 +68,10 @@ __all__ = [
     "IdempotencyUnavailable",
     "Job",
     "JobCommitFailed",
+    "JobConnections",
     "Mode",
     "NoCurrentJob",
+    "PooledJobConnections",
     "PostgresIdempotencyStore",
     "StoredKey",
     "current_job",
