@@ -20,7 +20,9 @@ note when that module or Django is missing, or with ``--no-django``.
 
 The last line printed is one JSON object: ``send_async_ratio_transaction``,
 ``send_async_ratio_autocommit``, ``send_async_ratio`` (the lower of the two; target >= 0.9),
-the sends/s of each way, and ``django_send_ratio``.
+the sends/s of each way, ``psycopg_async_ratio`` (psycopg's own ``await conn.execute`` against
+``conn.execute`` for a one-row INSERT, no code of ours: the ceiling of the transaction ratio on
+this machine) and ``django_send_ratio``.
 """
 
 from __future__ import annotations
@@ -107,6 +109,34 @@ class Sends:
         return self.loop.run_until_complete(run())
 
 
+def psycopg_floor(loop: asyncio.AbstractEventLoop, rounds: int, statements: int) -> float:
+    """psycopg's own async/sync ratio for the same one-row INSERT on one connection, no code of ours:
+    the ceiling ``send_async_ratio_transaction`` can reach on this machine (median over rounds)."""
+    insert = "INSERT INTO native_floor VALUES (%s)"
+
+    async def run_async(conn: psycopg.AsyncConnection[Any]) -> float:
+        started = time.perf_counter()
+        for n in range(statements):
+            await conn.execute(insert, (n,))
+        return time.perf_counter() - started
+
+    ratios = []
+    with psycopg.connect(DATABASE_URL) as sync_conn:
+        async_conn = loop.run_until_complete(psycopg.AsyncConnection.connect(DATABASE_URL))
+        try:
+            sync_conn.execute("CREATE TEMP TABLE native_floor (n int)")
+            loop.run_until_complete(async_conn.execute("CREATE TEMP TABLE native_floor (n int)"))
+            for _ in range(rounds):
+                started = time.perf_counter()
+                for n in range(statements):
+                    sync_conn.execute(insert, (n,))
+                sync_s = time.perf_counter() - started
+                ratios.append(sync_s / loop.run_until_complete(run_async(async_conn)))
+        finally:
+            loop.run_until_complete(async_conn.close())
+    return round(statistics.median(ratios), 3)
+
+
 def measure_round(ways: Sends, sends: int, batch: int) -> dict[str, float]:
     """Sends/s of every way over ``sends`` sends each, run in slices of ``batch`` sends that
     alternate between the ways (rotating order), so a burst of load on the shared machine
@@ -151,6 +181,7 @@ def measure_sends(*, broker_kind: str, rounds: int, sends: int, batch: int) -> d
         figures: dict[str, Any] = {f"{way}_sends_per_s": round(statistics.median(rates[way]), 1) for way in WAYS}
         for kind, values in ratios.items():
             figures[f"send_async_ratio_{kind}"] = round(statistics.median(values), 3)
+        figures["psycopg_async_ratio"] = psycopg_floor(loop, rounds, sends)
         figures["send_async_ratio"] = min(
             figures["send_async_ratio_transaction"], figures["send_async_ratio_autocommit"]
         )
