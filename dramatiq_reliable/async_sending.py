@@ -12,7 +12,9 @@ differently:
   shares between its async actors keeps running while the row is written;
 * with nothing bound, committed on its own on a connection of the broker's async pool (one per
   event loop, see :class:`~dramatiq_reliable.Database`), with the sync path's retry rules; or
-  ``NotBound`` under ``on_unbound="error"``.
+  ``NotBound`` under ``on_unbound="error"``.  Inside an async actor it is a worker's send (never
+  refused, retried for ``worker_write_timeout_ms``) on the worker's sync pool in a thread, so
+  Dramatiq's event loop, which is stopped without its tasks being cancelled, holds no async pool.
 
 Why functions and not ``actor.send_async()``: Dramatiq's ``Actor`` class is not ours, and
 patching a method onto it would change every actor of every broker in the process.  A

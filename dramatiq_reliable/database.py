@@ -266,7 +266,7 @@ class Database:
         """Close the async pools from sync code, each the way its loop allows.
 
         A loop running in another thread closes its pool there; a loop not running closes it
-        here; on a loop already closed (Dramatiq's worker loop at shutdown) the pool's tasks are
+        here; on a loop already closed (one that ended without aclose()) the pool's tasks are
         gone, so its connections are ended one by one.  Called from the loop's own thread (a
         sync ``close()`` inside async code), the close is scheduled on that loop.
         """

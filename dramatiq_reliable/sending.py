@@ -424,7 +424,10 @@ class RowSending:
         if conn is not None:
             check_joinable(conn, self.database, actor_name=message.actor_name)
             return self._execute(conn, row, message, dedupe)
-        in_worker = isinstance(threading.current_thread(), WorkerThread)
+        return self._write_unbound(message, row, dedupe, isinstance(threading.current_thread(), WorkerThread))
+
+    def _write_unbound(self, message: Message[Any], row: Row, dedupe: tuple[str, int] | None, in_worker: bool) -> str:
+        """Commit the row on its own on a pooled connection (or ``NotBound`` under ``on_unbound="error"``)."""
         self._check_unbound(message, in_worker)
         attempts = _Attempts(self.worker_write_timeout_ms if in_worker else 0)
         while True:
@@ -486,8 +489,12 @@ class RowSending:
             # A sync connection (an async actor's job connection): in a thread, so the loop
             # shared by the worker's async actors is not blocked for the round trip.
             return await asyncio.to_thread(self._execute, conn, row, message, dedupe)
-        # A send of an async actor counts as a worker's (its context carries the message).
-        in_worker = _processing.get() is not None
+        if _processing.get() is not None:
+            # An async actor's send (its context carries the worker's message): a worker's send,
+            # on the worker's sync pool in a thread.  Dramatiq's loop then holds no async pool,
+            # which it could not close (it stops that loop without cancelling its tasks).
+            return await asyncio.to_thread(self._write_unbound, message, row, dedupe, True)
+        in_worker = False
         self._check_unbound(message, in_worker)
         attempts = _Attempts(self.worker_write_timeout_ms if in_worker else 0)
         while True:

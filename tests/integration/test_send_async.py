@@ -381,7 +381,9 @@ def test_an_async_actor_writes_and_sends_in_its_jobs_transaction_once(
 
     async def work(n: int) -> None:
         conn = job_connection_async()
-        await conn.execute(sql.SQL("INSERT INTO {} VALUES (%s)").format(effects), (n,))
+        assert await conn.execute(sql.SQL("INSERT INTO {} VALUES (%s)").format(effects), (n,)) == 1
+        # The job's own transaction sees its write; no other attempt's is there.
+        assert await conn.fetchall(sql.SQL("SELECT n FROM {}").format(effects)) == [(n,)]
         await send_async(follow_up, n)
         attempts.append(n)
         if len(attempts) == 1:
@@ -402,3 +404,33 @@ def test_an_async_actor_writes_and_sends_in_its_jobs_transaction_once(
     assert db.execute(count.format(followed)).fetchone() == (1,), "the failed attempt's message was never sent"
     keys = sql.SQL("SELECT count(*) FROM {} WHERE actor_name = %s").format(sql.Identifier(db_schema, "processed_jobs"))
     assert db.execute(keys, (task.actor_name,)).fetchone() == (1,), "one key, committed by the second attempt"
+
+
+def test_an_async_actor_with_nothing_bound_sends_on_the_workers_sync_pool(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any], queue_name: str
+) -> None:
+    name = f"sa_worker_{uuid.uuid4().hex[:8]}"
+    broker = PostgresBroker(
+        database=psycopg.conninfo.make_conninfo(database_url, application_name=name),
+        schema=db_schema,
+        middleware=build_middleware(middleware=[AsyncIO()]),
+    )
+    received: list[int] = []
+    try:
+        follow_up = _actor(broker, received.append, name=f"{queue_name}_follow")
+
+        async def relay(n: int) -> None:
+            await send_async(follow_up, n + 1)  # nothing bound: autocommit, as a worker's send
+
+        task = _actor(broker, relay, name=queue_name)
+        worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=1)
+        worker.start()
+        try:
+            task.send(1)
+            wait_for(lambda: received == [2], message="the async actor's send never ran")
+            assert broker.database._async_pools == {}, "no async pool on Dramatiq's loop, which cannot close one"
+        finally:
+            worker.stop()
+    finally:
+        broker.close()
+    wait_for(lambda: _backends(db, name) == 0, message="a connection was left open")
