@@ -1,8 +1,7 @@
-"""``python examples/fastapi_app``: the app on uvicorn, on DATABASE_URL (and RABBITMQ_URL if set).
+"""``python examples/fastapi_app``: the app on uvicorn, on ``DATABASE_URL`` (and ``RABBITMQ_URL`` if set).
 
-Run a worker for its actor in another shell with the same variables:
-``dramatiq examples.fastapi_app.worker`` is left out on purpose: any Dramatiq worker importing
-``build()``'s broker works; tests/integration/test_fastapi_example.py runs one in process.
+The worker for ``confirm_order`` is any Dramatiq worker on ``build()``'s broker, built with the
+same URLs (tests/integration/test_fastapi_example.py runs one in process).
 """
 
 from __future__ import annotations
