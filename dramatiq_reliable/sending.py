@@ -494,15 +494,14 @@ class RowSending:
             # on the worker's sync pool in a thread.  Dramatiq's loop then holds no async pool,
             # which it could not close (it stops that loop without cancelling its tasks).
             return await asyncio.to_thread(self._write_unbound, message, row, dedupe, True)
-        in_worker = False
-        self._check_unbound(message, in_worker)
-        attempts = _Attempts(self.worker_write_timeout_ms if in_worker else 0)
+        self._check_unbound(message, in_worker=False)
+        attempts = _Attempts(0)
         while True:
             try:
                 async with self.database.async_autocommit(timeout_ms=attempts.next_timeout_ms()) as pooled:
                     return await self._execute_async(pooled, row, message, dedupe)
             except (OutboxWriteError, PoolTimeout, psycopg.OperationalError) as error:
-                await asyncio.sleep(self._pause_or_raise(attempts, error, message, row, in_worker))
+                await asyncio.sleep(self._pause_or_raise(attempts, error, message, row, in_worker=False))
 
     async def _execute_async(
         self,

@@ -434,3 +434,29 @@ def test_an_async_actor_with_nothing_bound_sends_on_the_workers_sync_pool(
     finally:
         broker.close()
     wait_for(lambda: _backends(db, name) == 0, message="a connection was left open")
+
+
+def test_an_autocommit_send_on_a_pooled_connection_that_died_is_tried_again(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any]
+) -> None:
+    name = f"sa_retry_{uuid.uuid4().hex[:8]}"
+    broker = PostgresBroker(
+        database=psycopg.conninfo.make_conninfo(database_url, application_name=name), schema=db_schema
+    )
+    task = _actor(broker)
+
+    async def main() -> list[str]:
+        first = await send_async(task, 1)
+        killed = db.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = %s", (name,)
+        ).fetchone()
+        assert killed is not None and killed[0] >= 1  # the async pool's idle connection, and the sync one
+        second = await send_async(task, 2)  # its first attempt meets the dead connection
+        await broker.aclose()
+        return [first.message_id, second.message_id]
+
+    try:
+        sent = asyncio.run(main())
+    finally:
+        broker.close()
+    assert _ids(db, broker) == sorted(sent)
