@@ -10,7 +10,7 @@ of sending, each sync and async, in rounds whose order rotates so machine noise 
      connection (the sync pool, and the broker's async pool).
 The async sends run one after another on one event loop (the pool is that loop's, opened
 before timing), so the figure is the cost of the async path, not of concurrency.  Each round
-runs the four ways in slices of ``--batch`` sends that alternate (rotating order), so load from
+runs the ways (and psycopg alone, sync and async) in slices of ``--batch`` sends that alternate (rotating order), so load from
 elsewhere on the machine lands on all of them alike.  Rates are medians over rounds, ratios
 the median of each round's async/sync ratio.
 
@@ -21,8 +21,8 @@ note when that module or Django is missing, or with ``--no-django``.
 The last line printed is one JSON object: ``send_async_ratio_transaction``,
 ``send_async_ratio_autocommit``, ``send_async_ratio`` (the lower of the two; target >= 0.9),
 the sends/s of each way, ``psycopg_async_ratio`` (psycopg's own ``await conn.execute`` against
-``conn.execute`` for a one-row INSERT, no code of ours: the ceiling of the transaction ratio on
-this machine) and ``django_send_ratio``.
+``conn.execute`` for a one-row INSERT, no code of ours, measured in the same slices: the
+driver's part of the gap) and ``django_send_ratio``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ from dramatiq_reliable import OutboxBroker, PostgresBroker, migrate, send_async
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 BROKERS = ("outbox", "queue")
-WAYS = ("sync_transaction", "async_transaction", "sync_autocommit", "async_autocommit")
+WAYS = ("sync_transaction", "async_transaction", "sync_autocommit", "async_autocommit", "psycopg_sync", "psycopg_async")
+#: psycopg alone: the same one-row INSERT with ``conn.execute`` and ``await conn.execute``, no code of ours.
+FLOOR_INSERT = "INSERT INTO native_floor VALUES (%s)"
 
 
 def log(text: str) -> None:
@@ -69,10 +71,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Sends:
-    """The four ways of sending, one slice at a time; each returns the seconds its sends took."""
+    """The ways of sending, one slice at a time; each returns the seconds its sends took.
+
+    ``psycopg_sync`` and ``psycopg_async`` run psycopg alone (a one-row INSERT into a temporary
+    table, in one open transaction each): the driver's own async/sync ratio on this machine.
+    """
 
     def __init__(self, broker: Any, actor: dramatiq.Actor[Any, Any], loop: asyncio.AbstractEventLoop, batch: int):
         self.broker, self.actor, self.loop, self.batch = broker, actor, loop, batch
+        self.sync_conn = psycopg.connect(DATABASE_URL)
+        self.async_conn = loop.run_until_complete(psycopg.AsyncConnection.connect(DATABASE_URL))
+        self.sync_conn.execute("CREATE TEMP TABLE native_floor (n int)")
+        loop.run_until_complete(self.async_conn.execute("CREATE TEMP TABLE native_floor (n int)"))
+
+    def close(self) -> None:
+        self.sync_conn.close()
+        self.loop.run_until_complete(self.async_conn.close())
+
+    def psycopg_sync(self, count: int) -> float:
+        started = time.perf_counter()
+        for n in range(count):
+            self.sync_conn.execute(FLOOR_INSERT, (n,))
+        return time.perf_counter() - started
+
+    def psycopg_async(self, count: int) -> float:
+        async def run() -> float:
+            started = time.perf_counter()
+            for n in range(count):
+                await self.async_conn.execute(FLOOR_INSERT, (n,))
+            return time.perf_counter() - started
+
+        return self.loop.run_until_complete(run())
 
     def sync_transaction(self, count: int) -> float:
         started = time.perf_counter()
@@ -109,38 +138,10 @@ class Sends:
         return self.loop.run_until_complete(run())
 
 
-def psycopg_floor(loop: asyncio.AbstractEventLoop, rounds: int, statements: int) -> float:
-    """psycopg's own async/sync ratio for the same one-row INSERT on one connection, no code of ours:
-    the ceiling ``send_async_ratio_transaction`` can reach on this machine (median over rounds)."""
-    insert = "INSERT INTO native_floor VALUES (%s)"
-
-    async def run_async(conn: psycopg.AsyncConnection[Any]) -> float:
-        started = time.perf_counter()
-        for n in range(statements):
-            await conn.execute(insert, (n,))
-        return time.perf_counter() - started
-
-    ratios = []
-    with psycopg.connect(DATABASE_URL) as sync_conn:
-        async_conn = loop.run_until_complete(psycopg.AsyncConnection.connect(DATABASE_URL))
-        try:
-            sync_conn.execute("CREATE TEMP TABLE native_floor (n int)")
-            loop.run_until_complete(async_conn.execute("CREATE TEMP TABLE native_floor (n int)"))
-            for _ in range(rounds):
-                started = time.perf_counter()
-                for n in range(statements):
-                    sync_conn.execute(insert, (n,))
-                sync_s = time.perf_counter() - started
-                ratios.append(sync_s / loop.run_until_complete(run_async(async_conn)))
-        finally:
-            loop.run_until_complete(async_conn.close())
-    return round(statistics.median(ratios), 3)
-
-
 def measure_round(ways: Sends, sends: int, batch: int) -> dict[str, float]:
     """Sends/s of every way over ``sends`` sends each, run in slices of ``batch`` sends that
     alternate between the ways (rotating order), so a burst of load on the shared machine
-    lands on all four alike."""
+    lands on all of them alike."""
     spent = dict.fromkeys(WAYS, 0.0)
     done = 0
     slice_index = 0
@@ -164,29 +165,36 @@ def measure_sends(*, broker_kind: str, rounds: int, sends: int, batch: int) -> d
     else:
         broker = PostgresBroker(database=DATABASE_URL, schema=schema)
     loop = asyncio.new_event_loop()
+    closing: list[Callable[[], None]] = []
     try:
         actor = dramatiq.actor(lambda n: None, actor_name="bench_native", queue_name="bench_native", broker=broker)
         ways = Sends(broker, actor, loop, batch)
+        closing.append(ways.close)
         for way in WAYS:  # warm up: pools opened, schema checked, statements prepared
             getattr(ways, way)(min(sends, 200))
         rates: dict[str, list[float]] = {way: [] for way in WAYS}
-        ratios: dict[str, list[float]] = {"transaction": [], "autocommit": []}
+        ratios: dict[str, list[float]] = {"transaction": [], "autocommit": [], "psycopg": []}
         for index in range(rounds):
             measured = measure_round(ways, sends, batch)
             for way, rate in measured.items():
                 rates[way].append(rate)
             for kind in ratios:
-                ratios[kind].append(measured[f"async_{kind}"] / measured[f"sync_{kind}"])
+                if kind == "psycopg":
+                    ratios[kind].append(measured["psycopg_async"] / measured["psycopg_sync"])
+                else:
+                    ratios[kind].append(measured[f"async_{kind}"] / measured[f"sync_{kind}"])
             log(f"round {index + 1}/{rounds}: " + ", ".join(f"{way} {measured[way]:.0f}/s" for way in WAYS))
         figures: dict[str, Any] = {f"{way}_sends_per_s": round(statistics.median(rates[way]), 1) for way in WAYS}
         for kind, values in ratios.items():
-            figures[f"send_async_ratio_{kind}"] = round(statistics.median(values), 3)
-        figures["psycopg_async_ratio"] = psycopg_floor(loop, rounds, sends)
+            key = "psycopg_async_ratio" if kind == "psycopg" else f"send_async_ratio_{kind}"
+            figures[key] = round(statistics.median(values), 3)
         figures["send_async_ratio"] = min(
             figures["send_async_ratio_transaction"], figures["send_async_ratio_autocommit"]
         )
         return figures
     finally:
+        for close in closing:
+            close()
         loop.run_until_complete(broker.aclose())
         loop.close()
         with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
