@@ -304,6 +304,7 @@ class RowSending:
         """Everything a send does before its write, shared by the sync and async paths: validate,
         take the dedupe key, address a delay, encode, and ``before_enqueue``."""
         broker: Broker = self  # type: ignore[assignment]
+        self._check_message(message)
         validate_send(message, delay)
         dedupe = _dedupe.dedupe_of(broker, message)
         held = processing_message()
@@ -326,6 +327,9 @@ class RowSending:
             self._emit_enqueue_failed(message, delay, error)
             raise
         return _Send(message, delay, row, dedupe)
+
+    def _check_message(self, message: Message[Any]) -> None:
+        """A broker's own refusals (``PayloadError``), before anything else a send does."""
 
     def _end_send(self, send: _Send, first: str) -> Message[Any]:
         """``after_enqueue`` and the message returned, once the row is written (or deduped)."""

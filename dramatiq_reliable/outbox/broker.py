@@ -209,15 +209,17 @@ class OutboxBroker(SpreadsOverNodes, DeclaresQueues, RowSending, RabbitmqBroker)
             # messages: our own delays wait in the outbox); the source message is acked only
             # after this publish succeeds, so publishing directly is safe.
             return RabbitmqBroker.enqueue(self, message, delay=delay)
+        return super().enqueue(message, delay=delay)
+
+    def _check_message(self, message: Message[Any]) -> None:
+        """RabbitMQ 3.x quorum queues ignore a priority: refuse it rather than reorder nothing (sync and async sends)."""
         priority = message.options.get("broker_priority")
         if priority is not None and self.queue_settings.type_of(message.queue_name) == "quorum":
-            # RabbitMQ 3.x quorum queues ignore the priority: refuse rather than reorder nothing.
             raise PayloadError(
                 f"message to actor {message.actor_name!r} has broker_priority={priority!r} but queue "
                 f"{q_name(message.queue_name)!r} is a quorum queue, which has no priorities on RabbitMQ 3.x; "
                 "drop broker_priority, or give urgent work its own queue (queue_types={'urgent': 'quorum'})"
             )
-        return super().enqueue(message, delay=delay)
 
     def _row(self, message: Message[Any], canonical: str, body: bytes) -> Row:
         """A delayed message's row goes to the queue itself, due at its eta, with no eta in its body.

@@ -76,3 +76,17 @@ def test_transaction_returns_one_object_for_with_and_async_with() -> None:
 def test_job_connection_async_outside_a_job_says_where_it_works() -> None:
     with pytest.raises(NoCurrentJob, match="idempotency='transactional'"):
         job_connection_async()
+
+
+def test_a_priority_to_a_quorum_queue_is_refused_by_the_async_send_too() -> None:
+    broker = OutboxBroker(
+        url="amqp://127.0.0.1:1", database="postgresql://nobody@127.0.0.1:1/none", queue_type="quorum"
+    )
+    try:
+        task = dramatiq.actor(lambda: None, actor_name="urgent", broker=broker)
+        with pytest.raises(PayloadError, match="quorum queue"):
+            asyncio.run(send_async_with_options(task, broker_priority=5))
+        with pytest.raises(PayloadError, match="quorum queue"):
+            task.send_with_options(broker_priority=5)
+    finally:
+        broker.close()
