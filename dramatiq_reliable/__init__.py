@@ -45,6 +45,7 @@ from .errors import (
     TargetUnknown,
     Unrecoverable,
 )
+from .flow import ConcurrencyLimit, OrderedKeys, RateLimit, RateLimits
 from .idempotency import (
     Idempotency,
     IdempotencyStore,
@@ -72,6 +73,7 @@ __all__ = [
     "CheckpointWindow",
     "ClassifiedRetries",
     "CommitOutcomeUnknown",
+    "ConcurrencyLimit",
     "ConfigurationError",
     "Database",
     "DatabaseUnavailable",
@@ -92,6 +94,7 @@ __all__ = [
     "MiddlewareFailed",
     "NoCurrentJob",
     "NotBound",
+    "OrderedKeys",
     "OutboxBroker",
     "OutboxWriteError",
     "PayloadError",
@@ -99,6 +102,8 @@ __all__ = [
     "PostgresDeadLetterStore",
     "PostgresIdempotencyStore",
     "QueueMismatch",
+    "RateLimit",
+    "RateLimits",
     "Relay",
     "RelayOptions",
     "ReliableError",

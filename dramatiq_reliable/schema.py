@@ -34,8 +34,10 @@ __all__ = [
     "JOBS_VERSION",
     "LATEST_VERSION",
     "LONG_JOBS_VERSION",
+    "ORDER_CONCURRENCY_VERSION",
     "OUTBOX_VERSION",
     "QUEUE_VERSION",
+    "RATE_LIMITS_VERSION",
     "SCHEDULER_VERSION",
     "Migration",
     "current_version",
@@ -64,6 +66,10 @@ JOBS_VERSION = 10
 DEDUPE_VERSION = 11
 # Cancellations (jobs cancel, the Cancellation middleware): created by 12.
 CANCEL_VERSION = 12
+# Rate limits per key (the rate_limit_buckets table of RateLimits): created by 13.
+RATE_LIMITS_VERSION = 13
+# Order per key and concurrency per key (flow/order.py, flow/concurrency.py): created by 14.
+ORDER_CONCURRENCY_VERSION = 14
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
