@@ -280,5 +280,22 @@ def test_the_server_serves_on_loopback_and_releases_the_port() -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as response:
             body = response.read().decode()
         assert 'dramatiq_reliable_outbox_backlog{queue="orders"} 3.0' in body
-    with socket.socket() as again:  # closed: the port is free again
+    with socket.socket() as again:  # closed: nothing listens there any more
+        # SO_REUSEADDR as servers set it: the scrape's connection may sit in TIME_WAIT, a listener may not.
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         again.bind(("127.0.0.1", server.port))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--worker-rate", "0"], "'0' is not a positive number of jobs per second; write e.g. 2.5"),
+        (["--worker-rate", "nan"], "'nan' is not a positive number of jobs per second"),
+        (["--min-workers", "5", "--max-workers", "2"], "--max-workers 2 is below --min-workers 5; raise it"),
+        (["--port", "0"], "'0' is out of range; give a whole number from 1 to 65535"),
+        (["--target-wait", "10ms"], "'10ms' is too short; the shortest is 1000ms"),
+    ],
+)
+def test_the_command_refuses_bad_knobs(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["metrics", *argv]) == ExitCode.USAGE
+    assert message in capsys.readouterr().err
