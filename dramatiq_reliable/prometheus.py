@@ -82,6 +82,7 @@ METRIC_NAMES: Final[frozenset[str]] = frozenset(
             "rate_limit_paused_seconds",
             "up",
             "reading_age_seconds",
+            "relay_last_publish_age_seconds",
         )
     }
 )
@@ -124,6 +125,13 @@ class HealthCollector(Collector):
         for queue, value in desired_by_queue(health, self.autoscale, self._drain).items():
             desired.add_metric([queue], value)
         yield desired
+        relay = GaugeMetricFamily(
+            _PREFIX + "relay_last_publish_age_seconds",
+            "Seconds since a relay last published an outbox row (the relay's heartbeat while messages flow).",
+        )
+        if health.relay_last_publish_age_s is not None:
+            relay.add_metric([], health.relay_last_publish_age_s)
+        yield relay
         yield from self._rate_limits(health)
 
     def _services(self, health: Health | None) -> Iterator[Metric]:

@@ -153,6 +153,12 @@ class HealthGauges:
             description="How long a rate-limited key stays paused by a provider's 429, by key (0: not paused).",
         )
         meter.create_observable_gauge(
+            names.METRIC_RELAY_LAST_PUBLISH_AGE,
+            callbacks=[self._observe_relay],
+            unit="s",
+            description="Seconds since a relay last published an outbox row (its heartbeat while messages flow).",
+        )
+        meter.create_observable_gauge(
             names.METRIC_QUEUE_OLDEST_AGE,
             callbacks=[self._observe_queue_age],
             unit="s",
@@ -242,6 +248,12 @@ class HealthGauges:
 
     def _observe_dead_letters(self, options: CallbackOptions) -> Iterable[Observation]:
         return self._observe_postgres(lambda item: item.dead_letters)
+
+    def _observe_relay(self, options: CallbackOptions) -> Iterable[Observation]:
+        health = self._health()
+        if health is None or health.relay_last_publish_age_s is None:
+            return []
+        return [Observation(health.relay_last_publish_age_s)]
 
     def _observe_queue_age(self, options: CallbackOptions) -> Iterable[Observation]:
         return self._observe_postgres(lambda item: item.queue_oldest_age_s)

@@ -51,6 +51,7 @@ __all__ = [
     "METRIC_QUEUE_OLDEST_AGE",
     "METRIC_RATE_LIMIT_PAUSED",
     "METRIC_RATE_LIMIT_WAITING",
+    "METRIC_RELAY_LAST_PUBLISH_AGE",
     "METRIC_RETRIES",
     "METRIC_SINGLETON_HELD",
     "OPERATION_CREATE",
@@ -145,6 +146,8 @@ METRIC_QUEUE_DESIRED_WORKERS: Final = "dramatiq_reliable.queue.desired_workers"
 METRIC_QUEUE_OLDEST_AGE: Final = "dramatiq_reliable.queue.oldest_age"
 METRIC_RATE_LIMIT_WAITING: Final = "dramatiq_reliable.rate_limit.waiting"
 METRIC_RATE_LIMIT_PAUSED: Final = "dramatiq_reliable.rate_limit.paused"
+#: seconds since a relay last published an outbox row (its heartbeat while messages flow).
+METRIC_RELAY_LAST_PUBLISH_AGE: Final = "dramatiq_reliable.relay.last_publish_age"
 
 # Span events.  The retry ones are ClassifiedRetries' event names, written by Tracing itself
 # when Dramatiq's own Retries decided; the others are events of the package it reacts to.

@@ -18,14 +18,15 @@ import dramatiq
 import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import capture_dead_letter
+from support import Otel, capture_dead_letter
 
-from dramatiq_reliable import OutboxBroker
+from dramatiq_reliable import OutboxBroker, PostgresBroker
 from dramatiq_reliable.autoscale import Autoscale
 from dramatiq_reliable.health import HealthMonitor
 from dramatiq_reliable.prometheus import METRIC_NAMES, MetricsServer
 from dramatiq_reliable.queue_depths import QueueDepths
 from dramatiq_reliable.testing import drain_outbox, wait_for
+from dramatiq_reliable.tracing import Tracing
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -97,6 +98,8 @@ def test_a_scrape_reports_the_known_state(
         _check_known_state(samples, known_state)
         assert samples[("dramatiq_reliable_desired_workers", (("queue", known_state),))] == 4
         assert samples[("dramatiq_reliable_rate_limited_keys", ())] == 0
+        # the relay published 2 rows moments ago (drain_outbox keeps them: on_published="mark")
+        assert 0 <= samples[("dramatiq_reliable_relay_last_publish_age_seconds", ())] < 60
 
 
 @pytest.fixture
@@ -140,3 +143,27 @@ def test_the_command_serves_the_same_numbers_and_stops_on_sigterm(
     assert metrics_command.stderr is not None
     log = metrics_command.stderr.read()
     assert "serving metrics for schema" in log and "metrics endpoint stopped" in log
+
+
+def test_the_otel_gauges_report_the_same_desired_workers_and_queue_age(
+    database_url: str, db_schema: str, queue_name: str, otel: Otel
+) -> None:
+    """A PostgresBroker under Tracing: its queue's oldest age and desired workers are OTel gauges too."""
+    tracing = Tracing(meter_provider=otel.meter_provider, tracer_provider=otel.tracer_provider, health_cache_ms=0)
+    broker = PostgresBroker(database=database_url, schema=db_schema, middleware=[tracing])
+    try:
+
+        @dramatiq.actor(broker=broker, queue_name=queue_name)
+        def task() -> None:
+            pass
+
+        for _ in range(61):
+            task.send()
+        dest = {"messaging.destination.name": queue_name}
+        # 61 messages at the default 1 job/s per worker within 60 s: 2 workers
+        assert otel.total("dramatiq_reliable.queue.desired_workers", **dest) == 2
+        assert 0 <= otel.total("dramatiq_reliable.queue.oldest_age", **dest) < 60
+        assert not otel.points("dramatiq_reliable.relay.last_publish_age")  # nothing published: no heartbeat
+    finally:
+        broker.close()
+        tracing.close()

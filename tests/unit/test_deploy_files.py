@@ -64,7 +64,7 @@ def _exported() -> dict[str, set[str]]:
         queue_oldest_age_s=1.0,
     )
     key = KeyState("k", "api", 1.0, 1, 1, None, None, None, None, None, 0, 0)
-    reading = Health(queues=(full,), collected_at=time.time(), rate_limits=(key,))
+    reading = Health(queues=(full,), collected_at=time.time(), rate_limits=(key,), relay_last_publish_age_s=1.0)
     exported: dict[str, set[str]] = {}
     for family in HealthCollector(_Monitor(reading)).collect():
         for sample in family.samples:
@@ -141,6 +141,7 @@ def test_the_dashboard_queries_name_exported_metrics() -> None:
         "retries_waiting",
         "rate_limited_keys",
         "desired_workers",
+        "relay_last_publish_age_seconds",
     }
     assert {f"dramatiq_reliable_{name}" for name in wanted} <= shown
     ids = [panel["id"] for panel in dashboard["panels"]]

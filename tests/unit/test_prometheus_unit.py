@@ -197,7 +197,9 @@ def _reading(**overrides: Any) -> Health:
         granted=0,
         postponed=4,
     )
-    return Health(queues=(orders, quiet), collected_at=now, rate_limits=(limited,), **overrides)
+    return Health(
+        queues=(orders, quiet), collected_at=now, rate_limits=(limited,), relay_last_publish_age_s=12.5, **overrides
+    )
 
 
 def test_collector_reports_every_number_of_a_known_reading() -> None:
@@ -224,6 +226,7 @@ def test_collector_reports_every_number_of_a_known_reading() -> None:
     assert ("dramatiq_reliable_queue_delayed", (("queue", "quiet"),)) not in samples
     assert ("dramatiq_reliable_queue_oldest_age_seconds", orders) not in samples
     assert samples[("dramatiq_reliable_rate_limited_keys", ())] == 1
+    assert samples[("dramatiq_reliable_relay_last_publish_age_seconds", ())] == 12.5
     assert samples[("dramatiq_reliable_rate_limit_waiting", (("key", "api.example"),))] == 4
     assert 28 < samples[("dramatiq_reliable_rate_limit_paused_seconds", (("key", "api.example"),))] <= 30
     assert samples[("dramatiq_reliable_up", (("service", "postgres"),))] == 1
