@@ -76,7 +76,7 @@ def _unwrap(target: object) -> AnyConnection:
         return _check_open(target)
     module = type(target).__module__
     if module.startswith("sqlalchemy."):
-        from . import sqlalchemy as _sa
+        from .sqlalchemy import connections as _sa
 
         return _check_open(_sa.driver_connection(target))
     if module.startswith("psycopg2"):
@@ -118,7 +118,7 @@ class bind:  # used as a function: with bind(conn): ...
     async def __aenter__(self) -> Any:
         module = type(self._target).__module__
         if module.startswith("sqlalchemy."):
-            from . import sqlalchemy as _sa
+            from .sqlalchemy import connections as _sa
 
             conn = _check_open(await _sa.async_driver_connection(self._target))
         else:
