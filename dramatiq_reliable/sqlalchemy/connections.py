@@ -28,7 +28,9 @@ AnyConnection = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
 _EAGER = "dramatiq_reliable.eager_savepoints"
 _SCOPED = ("scoped_session", "async_scoped_session")
 _ASYNC = ("AsyncSession", "AsyncConnection", "async_scoped_session")
-_FIX_DRIVER = "use psycopg 3: a 'postgresql+psycopg://' URL in create_engine / create_async_engine ('pip install psycopg')"
+_FIX_DRIVER = (
+    "use psycopg 3: a 'postgresql+psycopg://' URL in create_engine / create_async_engine ('pip install psycopg')"
+)
 
 
 def check_driver(bind: Any, what: str) -> None:
@@ -171,6 +173,7 @@ async def async_driver_connection(target: Any) -> AnyConnection:
             )
         for bind in binds:
             check_driver(bind, "AsyncSession")
+        eager_savepoints(target.sync_session)  # its begin_nested() runs the listener in a greenlet
         try:
             target = await target.connection()
         except exc.PendingRollbackError as error:

@@ -224,9 +224,12 @@ def test_a_closed_sqlalchemy_connection_is_refused(engine):
 
 
 def test_a_connection_in_autocommit_is_refused_at_send_and_writes_nothing(engine, actor, row_broker, db, db_schema):
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection, bind(connection):
-        with pytest.raises(NotBound, match="autocommit with no transaction open"):
-            actor.send(1)
+    with (
+        engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection,
+        bind(connection),
+        pytest.raises(NotBound, match="autocommit with no transaction open"),
+    ):
+        actor.send(1)
     assert rows(db, db_schema, row_broker) == []
 
 
