@@ -158,13 +158,13 @@ def bound_transaction(database: Database) -> Iterator[psycopg.Connection[Any]]:
 # -- joining a bound connection ------------------------------------------------------------------
 
 
-def check_joinable(conn: AnyConnection, database: Database, *, actor_name: str) -> None:
+def check_joinable(conn: AnyConnection, database: Database | None, *, actor_name: str) -> None:
     """Refuse a send that would not land in the caller's transaction, before any statement.
 
     No round trip: everything checked is known to the client.  A connection in autocommit with
     no transaction open would commit the row on its own (the outbox's whole point lost); one in
     a failed transaction would refuse the insert; one on another database than the broker's
-    would leave the row where no relay or worker looks.
+    (``database``; ``None`` skips that check) would leave the row where no relay or worker looks.
     """
     where = f"send() of actor {actor_name!r}"
     if conn.closed or conn.broken:
@@ -179,6 +179,8 @@ def check_joinable(conn: AnyConnection, database: Database, *, actor_name: str) 
             f"{where} on a bound connection in autocommit with no transaction open: the message would commit "
             "on its own; open one first ('with conn.transaction():')"
         )
+    if database is None:
+        return
     dbname, port = database.identity()
     if (dbname is not None and conn.info.dbname != dbname) or (port is not None and conn.info.port != port):
         raise NotBound(

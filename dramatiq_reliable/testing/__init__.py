@@ -1,4 +1,7 @@
-"""Helpers for testing code that uses dramatiq-reliable: polling and a synchronous outbox drain.
+"""Helpers for testing code that uses dramatiq-reliable: polling, a synchronous outbox drain, an in-memory broker.
+
+The pytest fixtures built on them are in :mod:`dramatiq_reliable.testing.plugin` (loaded by
+pytest on its own; see docs/testing-your-actors.md).
 
 >>> from dramatiq_reliable.testing import drain_outbox, wait_for
 >>> with broker.transaction():                       # doctest: +SKIP
@@ -16,10 +19,22 @@ from typing import TypeVar
 from .._checks import check_ms
 from ..outbox.broker import OutboxBroker
 from ..outbox.relay import OnPublished, Relay, RelayOptions
+from .assertions import assert_enqueued, assert_enqueued_count, assert_not_enqueued, enqueued
+from .broker import InMemoryBroker
 from .dead_letters import InMemoryDeadLetterStore
 from .idempotency import InMemoryIdempotencyStore
 
-__all__ = ["InMemoryDeadLetterStore", "InMemoryIdempotencyStore", "drain_outbox", "wait_for"]
+__all__ = [
+    "InMemoryBroker",
+    "InMemoryDeadLetterStore",
+    "InMemoryIdempotencyStore",
+    "assert_enqueued",
+    "assert_enqueued_count",
+    "assert_not_enqueued",
+    "drain_outbox",
+    "enqueued",
+    "wait_for",
+]
 
 T = TypeVar("T")
 

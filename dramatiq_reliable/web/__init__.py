@@ -1,4 +1,5 @@
-"""The web page for the person on call: health, dead letters by cause, replay and discard, outbox, schedules.
+"""The web page for the person on call: health, dead letters by cause, replay and discard, outbox, schedules,
+jobs by id and their cancel button.
 
 An ASGI app (Starlette, Jinja2 templates, a vendored htmx; no JavaScript build) to mount inside
 your own app or run alone with ``dramatiq-reliable web``.  Read-only on loopback unless an access

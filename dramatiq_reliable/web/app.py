@@ -34,9 +34,9 @@ from .._checks import check_bool, check_choice, check_int, check_ms, check_queue
 from .._util import redact
 from ..backing import SENDS_TO, SendsTo, postgres_backed
 from ..dead_letters import DEFAULT_REPLAY_MAX_AGE_MS, PostgresDeadLetterStore
-from ..errors import ConfigurationError, SchemaNotReady
+from ..errors import ConfigurationError, DatabaseUnavailable, SchemaNotReady
 from ..queue_depths import QueueDepths
-from . import actions, views
+from . import actions, jobs, views
 from .access import Access, AccessHook, cross_site_problem, resolve
 from .pools import ReadPool, action_database
 from .rendering import render
@@ -87,7 +87,7 @@ def create_app(
       queues: queues the overview always lists, besides those found in the tables.
       replay_max_age_ms: replays of jobs first sent longer ago are refused unless forced, as
         ``dead-letters replay --max-age`` (default 7 days); ``None`` never refuses.
-      page_size: rows per page of the dead-letter list.
+      page_size: rows per page of the dead-letter list, and the most jobs the jobs list shows.
       scan_interval_ms: how often the overview runs ``status``'s two full scans of the outbox
         (the queues it ever saw, the retries not yet due); in between it reads the backlog
         through the outbox's partial index and shows the retries counted by the last scan.
@@ -176,6 +176,7 @@ def create_app(
             psycopg.errors.QueryCanceled: _timed_out,
             psycopg.OperationalError: _unreachable,
             PoolTimeout: _unreachable,
+            DatabaseUnavailable: _unreachable,
             SchemaNotReady: _schema_not_ready,
             Exception: _server_error,
         },
@@ -244,6 +245,10 @@ def _routes() -> list[Route | Mount]:
         Route("/dead-letters/{id}", views.dead_letter, name="dead_letter"),
         Route("/outbox", views.outbox, name="outbox"),
         Route("/outbox/retry", actions.outbox_retry, methods=["POST"], name="outbox_retry"),
+        Route("/jobs", jobs.job_list, name="jobs"),
+        # The id in the query, not the path: an idempotency key may hold "/", "?" or "#".
+        Route("/jobs/show", jobs.job, name="job"),
+        Route("/jobs/cancel", jobs.cancel, methods=["POST"], name="job_cancel"),
         Route("/schedules", views.schedules, name="schedules"),
         Route("/schedules/{name:str}/{verb:str}", actions.schedule_action, methods=["POST"], name="schedule_action"),
         Mount("/static", app=StaticFiles(directory=_STATIC), name="static"),

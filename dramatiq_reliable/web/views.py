@@ -1,5 +1,7 @@
 """The pages (GET only, never a change): overview, dead-letter groups, list and detail, outbox, schedules.
 
+(The jobs pages are in :mod:`.jobs`, beside their cancel action.)
+
 Each page reads through the library, as the command line does, so the numbers match: the overview
 is ``collect_health`` (``dramatiq-reliable status``), the dead-letter pages are
 :class:`~dramatiq_reliable.PostgresDeadLetterStore` (``dead-letters stats|list|show``), the

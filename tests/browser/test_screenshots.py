@@ -36,6 +36,7 @@ def test_each_page_renders_at_1280x800_and_is_photographed_for_the_docs(site, pa
         ("web-dead-letter", f"/dead-letters/{seeded.detail_id}", "dl-traceback"),
         ("web-outbox", "/outbox", "outbox-poison-row"),
         ("web-schedules", "/schedules", "schedule-row"),
+        ("web-job", f"/jobs/show?id={seeded.retrying_id}", "job-state"),
     ]
     for name, path, testid in pages:
         page.goto(f"{base}{path}")

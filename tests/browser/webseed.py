@@ -23,6 +23,7 @@ from psycopg import sql
 from dramatiq_reliable import OutboxBroker, classify
 from dramatiq_reliable.dead_letters import DeadLetters, PostgresDeadLetterStore
 from dramatiq_reliable.dead_letters.records import _PRIOR_ATTR, _RAN_ATTR
+from dramatiq_reliable.jobs.attempts import record_failure
 from dramatiq_reliable.retries import decision_record
 from dramatiq_reliable.scheduler import Registry, Scheduler, schedule
 
@@ -78,6 +79,10 @@ def run(actor, arg):
     except Exception as error:
         return error
     raise AssertionError(f"{actor.__name__} was meant to fail")
+
+
+def send_invoice(order_id):
+    raise ConnectionResetError(f"smtp.example.com reset the connection sending the invoice of order {order_id}")
 """
 linecache.cache[APP_FILE] = (len(APP_SOURCE), None, APP_SOURCE.splitlines(keepends=True), APP_FILE)
 shop_tasks = types.ModuleType("shop.tasks")
@@ -104,6 +109,10 @@ class Seeded:
     outbox_backlog: dict[str, int]
     poison_id: int
     schedules: tuple[str, ...]
+    #: a job waiting in the outbox (the first payment captured), for the job page and its cancel
+    waiting_id: str = ""
+    #: a published job whose second attempt failed (``retrying``, attempt 2 of at most 6)
+    retrying_id: str = ""
 
     @property
     def queues(self) -> tuple[str, str, str]:
@@ -240,8 +249,7 @@ def seed(broker: OutboxBroker, db: psycopg.Connection[Any], *, schema: str, base
         pass
 
     with broker.transaction():
-        for order in range(3):
-            capture_payment.send(order)
+        waiting = [capture_payment.send(order) for order in range(3)]
         send_receipt.send(1)
         poison = send_receipt.send(2)
     outbox = sql.Identifier(schema, "outbox")
@@ -256,6 +264,21 @@ def seed(broker: OutboxBroker, db: psycopg.Connection[Any], *, schema: str, base
         (POISON_ERROR, poison.message_id),
     ).fetchone()
     assert poison_row is not None
+
+    # A job the relay published whose second attempt failed: the failure record ClassifiedRetries
+    # writes, its retry due in four minutes.
+    @dramatiq.actor(broker=broker, queue_name=emails, actor_name="send_invoice")
+    def send_invoice(order_id: int) -> None:  # pragma: no cover - never runs
+        pass
+
+    invoice = send_invoice.send_with_options(args=(1042,), trace_context={"traceparent": TRACEPARENT})
+    db.execute(
+        sql.SQL("UPDATE {} SET published_at = now() - interval '6 minutes' WHERE message_id = %s").format(outbox),
+        (invoice.message_id,),
+    )
+    decision = {"attempt": 2, "max_retries": 5, "outcome": "retry", "reason": "transient", "delay_ms": 4 * 60_000}
+    failed = shop_tasks.run(shop_tasks.send_invoice, 1042)
+    assert record_failure(broker, MessageProxy(invoice), failed, decision), "the seed could not record a failure"
 
     # Schedules: a nightly cron job and a frequent interval one, both synced, neither fired yet.
     registry = Registry()
@@ -277,4 +300,6 @@ def seed(broker: OutboxBroker, db: psycopg.Connection[Any], *, schema: str, base
         outbox_backlog={payments: 3, emails: 2},
         poison_id=int(poison_row[0]),
         schedules=("nightly-report", "refresh-rates"),
+        waiting_id=waiting[0].message_id,
+        retrying_id=invoice.message_id,
     )

@@ -76,6 +76,9 @@ ROUTES: dict[tuple[str, str], list[str]] = {
     ("POST", "/outbox/retry"): ["=junk", "header:origin", "header:sec-fetch-site"],
     ("GET", "/schedules"): ["?junk"],
     ("POST", "/schedules/{name}/{verb}"): ["{name}", "{verb}"],
+    ("GET", "/jobs"): [f"?{name}" for name in ("state", "actor", "queue", "junk")],
+    ("GET", "/jobs/show"): ["?id", "?junk"],
+    ("POST", "/jobs/cancel"): [f"={name}" for name in ("id", "reason", "confirm", "junk")] + ["header:origin"],
     ("GET", "/static/{path}"): ["{path}"],
 }
 #: What a path parameter is when it is not the one probed.
@@ -211,6 +214,8 @@ def test_no_hostile_value_in_any_parameter_gets_a_500(hostile_app, method, path,
         form.append(("confirm", "1"))
         if parameter not in (f"={name}" for name in ("id", *FILTERS)):
             form.append(("id", str(dead_letter_id)))
+    if method == "POST" and path == "/jobs/cancel":
+        form += [("confirm", "1"), ("id", str(uuid.uuid4()))]  # a job no table knows: cancel_job runs, changes nothing
     if parameter.startswith("?"):
         query += [(parameter[1:], item) for item in _repeat(value_name, value)]
     elif parameter.startswith("="):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import dramatiq
+import dramatiq.broker
 import pytest
-from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_reliable import (
     Cancellation,
@@ -19,33 +19,25 @@ from dramatiq_reliable import (
     check_cancelled,
     is_cancelled,
 )
+from dramatiq_reliable.testing import InMemoryBroker
 
 UNUSED_URL = "postgresql://nobody@127.0.0.1:1/never_opened?connect_timeout=1"
 
 
 @pytest.fixture
-def broker() -> Iterator[StubBroker]:
-    stub = StubBroker(
+def broker() -> Iterator[InMemoryBroker]:
+    """The plugin's in-memory broker with the production middleware; ``drain()`` runs the jobs in the test's thread."""
+    stub = InMemoryBroker(
         middleware=build_middleware(retries=ClassifiedRetries(max_retries=3, min_backoff=1, max_backoff=2))
     )
-    stub.emit_after("process_boot")
+    previous = dramatiq.broker.global_broker
     dramatiq.set_broker(stub)
     yield stub
-    stub.flush_all()
+    dramatiq.broker.global_broker = previous  # a later test's reliable_broker must not find this one
     stub.close()
 
 
-def run(broker: StubBroker) -> None:
-    worker = dramatiq.Worker(broker, worker_timeout=50, worker_threads=1)
-    worker.start()
-    try:
-        broker.join("default", fail_fast=False, timeout=10_000)
-        worker.join()
-    finally:
-        worker.stop()
-
-
-def test_job_cancelled_is_acked_never_retried_nor_dead_lettered(broker: StubBroker) -> None:
+def test_job_cancelled_is_acked_never_retried_nor_dead_lettered(broker: InMemoryBroker) -> None:
     runs: list[int] = []
 
     @dramatiq.actor(broker=broker)
@@ -54,13 +46,15 @@ def test_job_cancelled_is_acked_never_retried_nor_dead_lettered(broker: StubBrok
         raise JobCancelled("job x was cancelled while it ran")
 
     message = long_job.send()
-    run(broker)
-    assert runs == [1], "a cancelled job was retried"
+    with pytest.raises(JobCancelled):
+        broker.drain()
+    assert broker.drain() == 0, "a cancelled job was retried"
+    assert runs == [1]
     assert broker.dead_letters == []
     assert "retries" not in message.options
 
 
-def test_the_check_fails_closed_when_postgres_is_unreachable(broker: StubBroker) -> None:
+def test_the_check_fails_closed_when_postgres_is_unreachable(broker: InMemoryBroker) -> None:
     unreachable = Database(url=UNUSED_URL, timeout_ms=300)
     broker.add_middleware(Cancellation(database=unreachable), before=ClassifiedRetries)
     runs: list[int] = []
@@ -70,7 +64,8 @@ def test_the_check_fails_closed_when_postgres_is_unreachable(broker: StubBroker)
         runs.append(1)
 
     task.send()
-    run(broker)
+    with pytest.raises(DatabaseUnavailable):
+        broker.drain()
     assert runs == [], "the actor ran without its cancellation check"
     (dead,) = broker.dead_letters
     assert "DatabaseUnavailable" in dead.options["traceback"]

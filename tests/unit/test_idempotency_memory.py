@@ -1,13 +1,10 @@
-"""Idempotency with the in-memory store under StubBroker: what users get in their own unit tests."""
+"""Idempotency with the in-memory store under the plugin's InMemoryBroker: what users get in their own unit tests."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import dramatiq
 import pytest
 from dramatiq.brokers.stub import StubBroker
-from dramatiq.middleware import Middleware
 
 from dramatiq_reliable import (
     ActorOptionError,
@@ -18,24 +15,18 @@ from dramatiq_reliable import (
     IdempotencyKeyError,
     IdempotencyStore,
 )
-from dramatiq_reliable.testing import InMemoryIdempotencyStore
+from dramatiq_reliable.testing import InMemoryBroker, InMemoryIdempotencyStore
 
 
 @pytest.fixture
-def store() -> InMemoryIdempotencyStore:
-    return InMemoryIdempotencyStore()
+def store(reliable_idempotency_store: InMemoryIdempotencyStore) -> InMemoryIdempotencyStore:
+    return reliable_idempotency_store
 
 
 @pytest.fixture
-def broker(store: InMemoryIdempotencyStore) -> Iterator[StubBroker]:
-    broker = StubBroker(middleware=[Idempotency(store=store)])
-    broker.emit_after("process_boot")
-    dramatiq.set_broker(broker)
-    worker = dramatiq.Worker(broker, worker_timeout=50)
-    worker.start()
-    yield broker
-    worker.stop()
-    broker.close()
+def broker(reliable_broker: InMemoryBroker) -> InMemoryBroker:
+    """The plugin's in-memory broker: Idempotency on ``store``; jobs run by ``drain()`` in the test's thread."""
+    return reliable_broker
 
 
 def test_the_in_memory_store_is_an_idempotency_store(store):
@@ -50,11 +41,11 @@ def test_a_duplicate_is_skipped(broker, store):
         runs.append(n)
 
     invoice.send(1)
-    broker.join("default", fail_fast=True)
+    broker.drain()
     invoice.send(1)
     invoice.send(2)
-    broker.join("default", fail_fast=True)
-    assert sorted(runs) == [1, 2]
+    assert broker.drain() == 2
+    assert runs == [1, 2]
     assert sorted(store.keys()) == [("invoice", "invoice-1"), ("invoice", "invoice-2")]
 
 
@@ -66,10 +57,10 @@ def test_a_reused_key_with_other_arguments_is_a_conflict(broker):
         runs.append((n, amount))
 
     pay.send(1, 10)
-    broker.join("default", fail_fast=True)
+    broker.drain()
     pay.send(1, 20)
     with pytest.raises(IdempotencyConflict, match="different arguments"):
-        broker.join("default", fail_fast=True)
+        broker.drain()
     assert runs == [(1, 10)]
 
 
@@ -113,25 +104,13 @@ def test_a_message_asking_for_transactional_mode_fails_without_running(broker):
     assert runs == []
 
 
-class _Record(Middleware):
-    def __init__(self, seen: list[BaseException]) -> None:
-        self.seen = seen
-
-    def after_process_message(self, broker, message, *, result=None, exception=None):
-        if exception is not None:
-            self.seen.append(exception)
-
-
 class _BrokenStore(InMemoryIdempotencyStore):
     def lookup(self, *, actor_name: str, key: str) -> None:
         raise OSError("store down")
 
 
 def test_a_store_that_cannot_be_read_fails_closed():
-    broker = StubBroker(middleware=[Idempotency(store=_BrokenStore())])
-    broker.emit_after("process_boot")
-    worker = dramatiq.Worker(broker, worker_timeout=50)
-    worker.start()
+    broker = InMemoryBroker(middleware=[Idempotency(store=_BrokenStore())])
     runs: list[int] = []
     try:
 
@@ -139,14 +118,9 @@ def test_a_store_that_cannot_be_read_fails_closed():
         def work(n: int) -> None:
             runs.append(n)
 
-        seen: list[BaseException] = []
-        broker.add_middleware(_Record(seen))
         work.send(1)
-        broker.join("default")
-        worker.join()
+        with pytest.raises(DatabaseUnavailable, match="store down"):
+            broker.drain()
         assert runs == []
-        assert [type(e) for e in seen] == [DatabaseUnavailable]
-        assert "store down" in str(seen[0])
     finally:
-        worker.stop()
         broker.close()
