@@ -13,7 +13,8 @@ that engine's connection instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import psycopg
@@ -187,3 +188,39 @@ async def async_driver_connection(target: Any) -> AnyConnection:
             raise ConfigurationError("bind() got a closed SQLAlchemy AsyncConnection; bind an open one")
         return _driver(await target.get_raw_connection(), "AsyncConnection")
     return driver_connection(target)
+
+
+def binding_guard(target: Any) -> Callable[[], str | None]:
+    """Why a send may no longer join what ``bind(target)`` bound (``None``: it may), with no I/O.
+
+    A session hands its connection back to the pool when its transaction ends (commit,
+    rollback, close); the psycopg connection bound at ``bind()`` may then be serving another
+    session, so a send later in the same ``with bind(session):`` block must not use it.  Called
+    right after :func:`driver_connection` / :func:`async_driver_connection`, so the session's
+    transaction is the one the binding joined.
+    """
+    from sqlalchemy.orm import Session
+
+    target = _unscoped(target)
+    session = getattr(target, "sync_session", target)  # an AsyncSession's state lives there
+    if isinstance(session, Session):
+        transaction = session.get_transaction()
+        joined = weakref.ref(transaction) if transaction is not None else None
+
+        def still_joined() -> bool:
+            current = session.get_transaction()
+            return current is not None and joined is not None and current is joined()
+
+        return lambda: (
+            None
+            if still_joined()
+            else "after the bound SQLAlchemy session's transaction ended (commit, rollback or close): its "
+            "connection went back to the pool; send inside the transaction, or bind again for the next one"
+        )
+    connection = getattr(target, "sync_connection", None) or target  # an AsyncConnection's lives there
+    return lambda: (
+        "on a bound SQLAlchemy Connection that was closed: its connection went back to the pool; "
+        "send before closing it, or bind an open one"
+        if connection.closed or connection.invalidated
+        else None
+    )

@@ -368,3 +368,31 @@ def test_a_session_on_several_engines_joins_the_one_of_the_brokers_database(
 def test_bind_sessions_refuses_what_it_cannot_serve():
     with pytest.raises(ConfigurationError, match="needs a SQLAlchemy Session class, sessionmaker"):
         bind_sessions(object())
+
+
+# -- a binding outlived by its transaction -------------------------------------------------------------
+
+
+def test_a_send_after_the_bound_session_committed_is_refused_and_writes_nothing(
+    maker, actor, row_broker, db, db_schema
+):
+    with maker() as session, bind(session):
+        actor.send(1)
+        session.commit()  # the session's connection goes back to the pool: another session may take it
+        with pytest.raises(NotBound, match=r"session's transaction ended.*bind again"):
+            actor.send(2)
+        with maker() as other:  # takes the pooled connection the binding pointed at
+            other.execute(sa.text("SELECT 1"))
+            with pytest.raises(NotBound, match="ended"):
+                actor.send(3)
+            other.rollback()
+    assert rows(db, db_schema, row_broker) == [1]
+
+
+def test_a_send_after_the_bound_connection_closed_is_refused(engine, actor, row_broker, db, db_schema):
+    connection = engine.connect()
+    with bind(connection):
+        connection.close()
+        with pytest.raises(NotBound, match="SQLAlchemy Connection .* closed"):
+            actor.send(1)
+    assert rows(db, db_schema, row_broker) == []

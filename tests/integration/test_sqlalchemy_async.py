@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_ses
 from test_sqlalchemy import Base, Order, orders, sa_url
 
 from dramatiq_reliable import ConfigurationError, NotBound, PostgresBroker, bind
-from dramatiq_reliable.binding import bound_async_connection, bound_connection
+from dramatiq_reliable.binding import bound_async_connection, bound_connection, check_joinable
 from dramatiq_reliable.sqlalchemy import bind_sessions
 
 pytestmark = pytest.mark.integration
@@ -173,6 +173,22 @@ def test_an_async_session_on_psycopg2_is_refused(database_url, tables):
         asyncio.run(body())
     finally:
         engine.dispose()
+
+
+def test_an_async_binding_outlived_by_its_session_transaction_is_not_joined(database_url, tables, db):
+    # What send_async asks before it writes on the bound connection.
+    async def body(maker: async_sessionmaker[AsyncSession]) -> None:
+        async with maker() as session, bind(session) as conn:
+            check_joinable(conn, None, actor_name="send_receipt")
+            await session.commit()  # the connection goes back to the engine's pool
+            with pytest.raises(NotBound, match="session's transaction ended"):
+                check_joinable(conn, None, actor_name="send_receipt")
+        async with maker.kw["bind"].connect() as connection, bind(connection) as conn:
+            await connection.close()
+            with pytest.raises(NotBound, match="SQLAlchemy Connection that was closed"):
+                check_joinable(conn, None, actor_name="send_receipt")
+
+    run(database_url, tables, body)
 
 
 @pytest.fixture(autouse=True)
