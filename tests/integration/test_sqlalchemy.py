@@ -259,6 +259,8 @@ def test_an_auto_bound_session_closed_without_commit_leaves_no_row(auto, actor, 
     session.add(Order(id=1))
     actor.send(1)
     session.close()
+    with pytest.raises(NotBound, match="outside a transaction"):
+        actor.send(2)  # the closed session's transaction is not joined (on_unbound="error" applies)
     assert rows(db, db_schema, row_broker) == []
 
 
