@@ -19,6 +19,9 @@ How a session is found, and why it is safe:
   session's current transaction is checked, not remembered.
 * A session whose transaction failed (a flush raised) is refused with ``NotBound``: it would
   otherwise be skipped and the message committed on its own.
+* In a worker thread, only a transaction the running delivery opened is joined, and none once
+  its actor raised: the retry Dramatiq sends from an after-hook must not join a transaction
+  the failed actor left open (its traceback keeps it alive until it is rolled back).
 * A session bound to several engines (``binds=``) joins on the engine whose URL names the
   broker's database (name and port); if none or several do, the send is refused with the fix.
 
@@ -35,12 +38,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
+from dramatiq.broker import MessageProxy
 from sqlalchemy import event
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 from sqlalchemy.orm.session import SessionTransaction
 
 from ..binding import register_ambient
 from ..errors import ConfigurationError, NotBound
+from ..sending import processing_message
 from .connections import check_driver, driver_connection, session_binds
 
 if TYPE_CHECKING:
@@ -52,6 +57,8 @@ __all__ = ["bind_sessions"]
 class _Opened(NamedTuple):
     session: weakref.ref[Session]
     transaction: weakref.ref[SessionTransaction]
+    #: The delivery a worker thread was processing when the transaction began (None elsewhere).
+    delivery: weakref.ref[MessageProxy] | None
 
 
 #: The session transactions the current thread or task opened, oldest first (an immutable tuple,
@@ -77,7 +84,9 @@ def _on_create(session: Session, transaction: SessionTransaction) -> None:
     if transaction.parent is not None:
         return  # a savepoint or subtransaction: the root's connection already carries it
     kept = tuple(entry for entry in _opened.get() if _live(entry) is not None)
-    _opened.set((*kept, _Opened(weakref.ref(session), weakref.ref(transaction))))
+    held = processing_message()
+    delivery = weakref.ref(held) if held is not None else None
+    _opened.set((*kept, _Opened(weakref.ref(session), weakref.ref(transaction), delivery)))
 
 
 def _on_end(session: Session, transaction: SessionTransaction) -> None:
@@ -117,7 +126,15 @@ def _pick_bind(session: Session, database: Database) -> Any:
 
 def _ambient(database: Database) -> psycopg.Connection[Any] | None:
     """The ambient source: the connection of the newest open session transaction of this context."""
+    held = processing_message()
+    # Dramatiq stores the actor's exception on the delivery before its after-hooks run: a send
+    # then is a retry or a failure callback, and must not join a transaction the failed actor
+    # left open (the traceback keeps it alive; it rolls back when collected, and the retry with it).
+    if held is not None and getattr(held, "_exception", None) is not None:
+        return None
     for entry in reversed(_opened.get()):
+        if held is not None and (entry.delivery is None or entry.delivery() is not held):
+            continue  # opened outside this delivery (an earlier message's leftover): not this job's
         live = _live(entry)
         if live is None:
             continue

@@ -398,3 +398,38 @@ def test_a_send_after_the_bound_connection_closed_is_refused(engine, actor, row_
         with pytest.raises(NotBound, match="SQLAlchemy Connection .* closed"):
             actor.send(1)
     assert rows(db, db_schema, row_broker) == []
+
+
+# -- in a worker ----------------------------------------------------------------------------------------
+
+
+def test_a_retry_never_joins_a_session_the_failed_actor_left_open(auto, database_url, db_schema):
+    # The actor leaves its session open and raises: the traceback keeps the session, and its
+    # transaction, alive while Dramatiq's Retries sends the retry from an after-hook.  Joined,
+    # the retry would vanish with that transaction; it must be written on its own.
+    broker = PostgresBroker(database=database_url, schema=db_schema)
+    runs: list[int] = []
+    leaked: list[Session] = []
+    done = threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name=f"q{uuid.uuid4().hex[:8]}", max_retries=1, min_backoff=10, max_backoff=10)
+    def leaky(order_id: int) -> None:
+        runs.append(order_id)
+        if len(runs) == 1:
+            session = auto()
+            leaked.append(session)  # (closed by the test at the end, whatever happens)
+            session.execute(sa.text("SELECT 1"))  # a transaction, never ended
+            raise ValueError("the first run fails")
+        done.set()
+
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    try:
+        leaky.send(1)
+        worker.start()
+        assert done.wait(30), f"the retry never ran (runs: {runs}): it joined the failed actor's session"
+    finally:
+        worker.stop()
+        for session in leaked:
+            session.close()
+        broker.close()
+    assert runs == [1, 1]
