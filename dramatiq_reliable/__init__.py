@@ -7,6 +7,7 @@ sub-modules stay importable for their less common names, such as the event recor
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
+from .async_sending import send_async, send_async_with_options
 from .checkpoints import CheckpointWindow, checkpoint
 from .classify import Decision, classify
 from .database import Database
@@ -44,6 +45,7 @@ from .errors import (
     TargetUnknown,
     Unrecoverable,
 )
+from .flow import ConcurrencyLimit, OrderedKeys, RateLimit, RateLimits
 from .idempotency import (
     Idempotency,
     IdempotencyStore,
@@ -51,6 +53,7 @@ from .idempotency import (
     current_job,
     external_key,
     job_connection,
+    job_connection_async,
 )
 from .jobs import Cancellation, CancelResult, JobStatus, cancel_job, check_cancelled, is_cancelled, list_jobs, show_job
 from .outbox import OutboxBroker, Relay, RelayOptions, WorkerRelay, bind
@@ -70,6 +73,7 @@ __all__ = [
     "CheckpointWindow",
     "ClassifiedRetries",
     "CommitOutcomeUnknown",
+    "ConcurrencyLimit",
     "ConfigurationError",
     "Database",
     "DatabaseUnavailable",
@@ -90,6 +94,7 @@ __all__ = [
     "MiddlewareFailed",
     "NoCurrentJob",
     "NotBound",
+    "OrderedKeys",
     "OutboxBroker",
     "OutboxWriteError",
     "PayloadError",
@@ -97,6 +102,8 @@ __all__ = [
     "PostgresDeadLetterStore",
     "PostgresIdempotencyStore",
     "QueueMismatch",
+    "RateLimit",
+    "RateLimits",
     "Relay",
     "RelayOptions",
     "ReliableError",
@@ -123,11 +130,14 @@ __all__ = [
     "external_key",
     "is_cancelled",
     "job_connection",
+    "job_connection_async",
     "list_jobs",
     "migrate",
     "migration_sql",
     "no_delays",
     "schedule",
+    "send_async",
+    "send_async_with_options",
     "show_job",
 ]
 

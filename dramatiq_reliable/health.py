@@ -84,6 +84,7 @@ from ._checks import MAX_QUEUE_BYTES, check_bool, check_int, check_ms
 from ._util import first_line, format_age, redact
 from .database import Database
 from .errors import ConfigurationError, SchemaNotReady
+from .flow.rate_limit import KeyState, limited_keys
 from .queue_depths import QueueDepths
 
 __all__ = [
@@ -181,6 +182,8 @@ class Health:
     counted: frozenset[str] = frozenset()
     rabbitmq_skipped: str | None = None
     queue_sources: frozenset[str] = frozenset()
+    #: The rate-limited keys limited now (paused by a 429, slowed, or with jobs waiting).
+    rate_limits: tuple[KeyState, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -209,6 +212,7 @@ class Health:
             "dead_letters_table": self.dead_letters_table,
             "queues": [dataclasses.asdict(item) for item in self.queues],
             "totals": self.totals(),
+            "rate_limits": [item.as_dict() for item in self.rate_limits],
         }
 
     def totals(self) -> dict[str, Any]:
@@ -435,6 +439,7 @@ def collect_health(
         counted=frozenset(counted),
         rabbitmq_skipped=rabbitmq_skipped,
         queue_sources=frozenset(sources),
+        rate_limits=facts.rate_limits,
     )
 
 
@@ -529,6 +534,7 @@ class _PostgresFacts:
     #: Whether anything was ever written to the outbox; ``None`` when not asked or not readable.
     outbox_used: bool | None = None
     long_jobs_table: bool = False
+    rate_limits: tuple[KeyState, ...] = ()
 
 
 def _read_postgres(
@@ -587,8 +593,14 @@ def _read_postgres(
                 values = entry(row["queue_name"])
                 values["long_jobs"] = int(row["running"])
                 values["long_jobs_expired"] = int(row["expired"])
+        limited = _schema.table_exists(conn, schema, "rate_limit_buckets")
+        rate_limits = tuple(limited_keys(conn, schema)) if limited else ()
     return _PostgresFacts(
-        dead_letters_table=exists, queue_table=queue_table, outbox_used=used, long_jobs_table=long_jobs
+        dead_letters_table=exists,
+        queue_table=queue_table,
+        outbox_used=used,
+        long_jobs_table=long_jobs,
+        rate_limits=rate_limits,
     )
 
 

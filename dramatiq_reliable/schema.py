@@ -34,8 +34,10 @@ __all__ = [
     "JOBS_VERSION",
     "LATEST_VERSION",
     "LONG_JOBS_VERSION",
+    "ORDER_CONCURRENCY_VERSION",
     "OUTBOX_VERSION",
     "QUEUE_VERSION",
+    "RATE_LIMITS_VERSION",
     "SCHEDULER_VERSION",
     "Migration",
     "current_version",
@@ -64,6 +66,10 @@ JOBS_VERSION = 10
 DEDUPE_VERSION = 11
 # Cancellations (jobs cancel, the Cancellation middleware): created by 12.
 CANCEL_VERSION = 12
+# Rate limits per key (the rate_limit_buckets table of RateLimits): created by 13.
+RATE_LIMITS_VERSION = 13
+# Order per key and concurrency per key (flow/order.py, flow/concurrency.py): created by 14.
+ORDER_CONCURRENCY_VERSION = 14
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
@@ -100,7 +106,10 @@ def migration_sql(*, schema: str = _sql.DEFAULT_SCHEMA, since: int = 0) -> str:
     """The SQL that brings ``schema`` from version ``since`` to the latest, as one script.
 
     It records each version in ``<schema>.migrations`` as :func:`migrate` does, so a schema
-    migrated by hand and one migrated by the command are indistinguishable.
+    migrated by hand and one migrated by the command are indistinguishable.  Each migration is
+    a ``DO`` block guarded by that table (and :func:`migrate`'s advisory lock): the script is
+    safe to run twice, on a schema already migrated it changes nothing, and a migration tool
+    that records it once may replay it.
     """
     _sql.validate_schema(schema)
     parts = [_header(schema).as_string(None)]
@@ -108,9 +117,29 @@ def migration_sql(*, schema: str = _sql.DEFAULT_SCHEMA, since: int = 0) -> str:
         if migration.version <= since:
             continue
         parts.append(f"-- {migration.version:04d}_{migration.name}")
-        parts.append(_sql.compose(migration.text, schema).as_string(None).strip())
-        parts.append(_record(schema, migration).as_string(None))
+        parts.append(_guarded(schema, migration).as_string(None).strip())
     return "\n\n".join(parts) + "\n"
+
+
+def _guarded(schema: str, migration: Migration) -> sql.Composed:
+    """``migration`` wrapped in a block that applies it (and records it) only once."""
+    tag = f"{migration.version:04d}"
+    body = _sql.compose(migration.text, schema).as_string(None).strip()
+    for quote in (f"$apply_{tag}$", f"$migration_{tag}$"):
+        if quote in body:  # a guard the migration itself uses would end the block early
+            raise RuntimeError(f"migration {migration.version} contains the quote {quote!r}; rename it in the file")
+    return sql.SQL(_sql.read("schema_guarded")).format(
+        tag=sql.SQL(tag),
+        body=sql.SQL(body),
+        schema=sql.Identifier(schema),
+        lock_name=sql.Literal(_lock_name(schema)),
+        version=sql.Literal(migration.version),
+        name=sql.Literal(migration.name),
+    )
+
+
+def _lock_name(schema: str) -> str:
+    return f"dramatiq_reliable.migrate:{schema}"
 
 
 def migrate(conninfo: str | psycopg.Connection[Any], *, schema: str = _sql.DEFAULT_SCHEMA) -> list[int]:
@@ -129,7 +158,7 @@ def migrate(conninfo: str | psycopg.Connection[Any], *, schema: str = _sql.DEFAU
 def _migrate(conn: psycopg.Connection[Any], schema: str) -> list[int]:
     applied = []
     with conn.transaction():
-        conn.execute(_sql.query("schema_lock", schema), {"lock_name": f"dramatiq_reliable.migrate:{schema}"})
+        conn.execute(_sql.query("schema_lock", schema), {"lock_name": _lock_name(schema)})
         conn.execute(_header(schema))
         version = _version(conn, schema) or 0
         for migration in migrations():

@@ -17,7 +17,9 @@ several processes at once (an advisory lock serialises them) and again and again
 migrations are skipped).  Run it before starting workers and relays of a new version.
 
 With --sql, print the SQL instead of running it, for migration tools such as Alembic,
-Django or Flyway; --since N prints only the migrations after version N.
+Django or Flyway; --since N prints only the migrations after version N.  The script is
+safe to run twice: each migration is guarded by the schema's version table, so on a schema
+that already has it nothing changes.
 """
 
 

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 from collections.abc import Sequence
+from typing import Any
 
+import psycopg
+
+from ..flow import concurrency_waiting, order_waiting
 from ..health import Health, SourceCounts, Thresholds, check_health, collect_health
 from ..queue_depths import QueueDepths
+from ..schema import ORDER_CONCURRENCY_VERSION, current_version
 from . import output
 from .common import (
     Duration,
@@ -141,13 +147,18 @@ def _handle(args: argparse.Namespace) -> int:
     unreachable = "; ".join(problem for problem in (health.postgres_error, health.rabbitmq_error) if problem)
     if unreachable:
         print_error(unreachable)
+    waiting = None if health.postgres_error else keys_waiting(database, args.schema)
     if args.json:
         document = health.as_dict()
+        if waiting is not None:
+            document["keys_waiting"] = waiting
         if args.check:
             document["check"] = {"ok": health.ok and not problems, "problems": problems}
         output.print_json(document)
     elif health.queues or not unreachable:
         print(render_table(health))
+        if waiting:
+            print(render_keys_waiting(waiting))
     if unreachable:
         return ExitCode.UNAVAILABLE
     if problems:
@@ -244,6 +255,7 @@ def render_table(health: Health) -> str:
             f"long jobs running under a lease: {long_jobs}"
             + (f", {expired} past their lease (worker gone; a relay requeues them)" if expired else "")
         )
+    notes.extend(item.describe() for item in health.rate_limits)
     return "\n".join([text, *(f"({note})" for note in notes)])
 
 
@@ -273,3 +285,44 @@ def _ago(seconds: float | None) -> str:
 
 def _n(value: int | None, unknown: str = "-") -> str:
     return unknown if value is None else str(value)
+
+
+def keys_waiting(database: str, schema: str, *, limit: int = 10) -> dict[str, list[dict[str, Any]]] | None:
+    """The order keys whose jobs wait (dead heads first) and the concurrency keys with parked jobs;
+    ``None`` before migration 14 or when Postgres cannot be read (the table said so already)."""
+    try:
+        with psycopg.connect(database, autocommit=True, connect_timeout=5) as conn:
+            if (current_version(conn, schema=schema) or 0) < ORDER_CONCURRENCY_VERSION:
+                return None
+            order = order_waiting(conn, schema=schema, limit=limit)
+            concurrency = concurrency_waiting(conn, schema=schema, limit=limit)
+    except psycopg.Error:
+        return None
+    if not order and not concurrency:
+        return {}
+    now = datetime.datetime.now(datetime.timezone.utc)
+    for row in order:
+        row["oldest_age_s"] = round((now - row.pop("oldest_sent_at")).total_seconds(), 3)
+    for row in concurrency:
+        row["oldest_age_s"] = round((now - row.pop("oldest_parked_at")).total_seconds(), 3)
+    return {"order": order, "concurrency": concurrency}
+
+
+def render_keys_waiting(waiting: dict[str, list[dict[str, Any]]]) -> str:
+    """One line per waiting key under the table: a dead head says what frees it."""
+    lines = []
+    for row in waiting.get("order", []):
+        head = (
+            f"dead head {row['head_message_id']}: replay or discard its dead letter"
+            if row["head_state"] == "dead"
+            else f"head {row['head_state']}"
+        )
+        lines.append(
+            f"order key {row['key']!r}: {row['waiting']} waiting, {head} (oldest {output.age(row['oldest_age_s'])})"
+        )
+    for row in waiting.get("concurrency", []):
+        lines.append(
+            f"concurrency key {row['key']!r}: {row['running']} running, {row['parked']} parked "
+            f"(oldest {output.age(row['oldest_age_s'])})"
+        )
+    return "\n".join(lines)

@@ -5,20 +5,67 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Literal
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import psycopg
 from dramatiq.broker import MessageProxy
-from psycopg_pool import ConnectionPool
 
 from ..errors import NoCurrentJob
 from .keys import derive_external_key
 from .protocol import IdempotencyStore
 
-__all__ = ["Job", "Mode", "current_job", "external_key", "job_connection"]
+if TYPE_CHECKING:
+    from ..database import Database
+
+__all__ = ["Job", "JobConnections", "Mode", "PooledJobConnections", "current_job", "external_key", "job_connection"]
 
 Mode = Literal["transactional", "record", "off"]
 MODES: tuple[Mode, ...] = ("transactional", "record", "off")
+
+
+# -- where the job's connection comes from ------------------------------------------------------
+
+
+@runtime_checkable
+class JobConnections(Protocol):
+    """Where a transactional job's connection comes from, and where it goes back after the job.
+
+    The middleware begins the job's transaction on the connection :meth:`acquire` returns,
+    claims the key on it, binds it for ``send()`` while the actor runs, commits or rolls it
+    back, and only then calls :meth:`release`.  The default, :class:`PooledJobConnections`,
+    borrows from the broker's pool; ``dramatiq_reliable.django`` hands out Django's own
+    connection of the worker thread instead, so ORM writes commit with the key.
+    """
+
+    def acquire(self, database: Database, timeout_s: float) -> psycopg.Connection[Any]:
+        """A connection to ``database`` with no transaction in progress, within ``timeout_s``."""
+        ...
+
+    def release(self, conn: psycopg.Connection[Any], *, database: Database, committed: bool) -> None:
+        """Take back ``conn``, whose transaction was just committed (``committed``) or rolled back."""
+        ...
+
+
+class PooledJobConnections:
+    """The default :class:`JobConnections`: a connection of ``database``'s pool per job."""
+
+    def __init__(self) -> None:
+        self._opened: set[int] = set()
+        self._lock = threading.Lock()
+
+    def acquire(self, database: Database, timeout_s: float) -> psycopg.Connection[Any]:
+        # getconn/putconn, as the job spans two hooks where a ``with`` block cannot.
+        if id(database) not in self._opened:
+            database.open()  # a pool the Database created lazily
+            with self._lock:
+                self._opened.add(id(database))
+        conn: psycopg.Connection[Any] = database.pool.getconn(timeout=timeout_s)
+        return conn
+
+    def release(self, conn: psycopg.Connection[Any], *, database: Database, committed: bool) -> None:
+        database.pool.putconn(conn)
 
 
 # -- the job ------------------------------------------------------------------------------------
@@ -48,7 +95,8 @@ class Running:
     retention_s: float
     token: contextvars.Token[Running | None] | None = None
     conn: psycopg.Connection[Any] | None = None
-    pool: ConnectionPool[Any] | None = None
+    # gives ``conn`` back once its transaction ended (True: it committed)
+    release: Callable[[psycopg.Connection[Any], bool], None] | None = None
     binding: contextlib.AbstractContextManager[Any] | None = None
     restore_autocommit: bool = False
     # the schema of the job's key, so helpers on the job connection (checkpoints) use the same one

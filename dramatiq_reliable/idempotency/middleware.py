@@ -47,7 +47,7 @@ from ..retries import (
     retry_event,
 )
 from ..schema import IDEMPOTENCY_VERSION, ensure_ready
-from .context import MODES, Job, Mode, Running, current_running
+from .context import MODES, Job, JobConnections, Mode, PooledJobConnections, Running, current_running
 from .events import (
     IdempotencyCommitFailed,
     IdempotencyDuplicateSkipped,
@@ -120,6 +120,10 @@ class Idempotency(Middleware):
         them the message is dead-lettered with reason ``commit_outcome_unknown``.
       unknown_outcome_backoff_ms: the delay before the first such retry; it doubles, with
         jitter, up to a minute.
+      job_connections: where a transactional job's connection comes from
+        (:class:`~.context.JobConnections`); default a connection of the pool per job.
+        ``dramatiq_reliable.django`` passes Django's connection of the worker thread, so the
+        ORM's writes are the job's.
 
     Ordering: put it after ``AgeLimit``/``TimeLimit`` and before ``Callbacks``, ``Pipelines`` and
     the retry middleware (``broker.add_middleware(Idempotency(), before=Callbacks)``).  After-hooks
@@ -148,7 +152,13 @@ class Idempotency(Middleware):
         unknown_outcome_retries: int = DEFAULT_UNKNOWN_OUTCOME_RETRIES,
         unknown_outcome_backoff_ms: int = DEFAULT_UNKNOWN_OUTCOME_BACKOFF_MS,
         store: IdempotencyStore | None = None,
+        job_connections: JobConnections | None = None,
     ) -> None:
+        if job_connections is not None and not isinstance(job_connections, JobConnections):
+            raise ConfigurationError(
+                f"job_connections must have acquire() and release() (see JobConnections), got "
+                f"{type(job_connections).__name__!r}; omit it to use the pool"
+            )
         if store is not None and (database is not None or schema is not None):
             raise ConfigurationError("pass store= or database=/schema= to Idempotency, not both")
         if store is not None and default_mode == "transactional":
@@ -186,7 +196,7 @@ class Idempotency(Middleware):
         self._record_store: IdempotencyStore | None = None
         self._target: tuple[Database, str] | None = None
         self._schema_ready = False
-        self._pool_open = False
+        self.job_connections: JobConnections = job_connections or PooledJobConnections()
         self._lock = threading.Lock()
 
     @property
@@ -568,8 +578,11 @@ class Idempotency(Middleware):
         """Borrow a connection, begin, claim the key; the stored row of a duplicate, else ``None``."""
         job = running.job
         params = _key_params(running)
-        conn = self._borrow(database, deadline)
-        running.conn, running.pool = conn, database.pool
+        remaining_s = max(0.001, deadline - time.monotonic())
+        conn = self.job_connections.acquire(database, remaining_s)
+        release = self.job_connections.release
+        running.conn = conn
+        running.release = lambda conn, committed: release(conn, database=database, committed=committed)
         if conn.autocommit:
             # A shared app pool may hand out autocommit connections: the key and the job's
             # writes would then commit one by one, and a failed job would leave its key
@@ -600,23 +613,12 @@ class Idempotency(Middleware):
             return self.connection_timeout_ms / 1000
         return float(database.pool.timeout)
 
-    def _borrow(self, database: Database, deadline: float) -> psycopg.Connection[Any]:
-        """A pooled connection; getconn/putconn span two hooks, where a ``with`` block cannot."""
-        remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        if not self._pool_open:
-            with database.connection(timeout_ms=remaining_ms):
-                pass  # opens a pool the Database created lazily
-            self._pool_open = True
-            remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        conn: psycopg.Connection[Any] = database.pool.getconn(timeout=remaining_ms / 1000)
-        return conn
-
     def _end_transaction(self, running: Running, *, commit: bool) -> BaseException | None:
         """Commit or roll back, unbind and return the connection; the error of a failed commit."""
-        conn, pool, binding = running.conn, running.pool, running.binding
+        conn, release, binding = running.conn, running.release, running.binding
         restore_autocommit, running.restore_autocommit = running.restore_autocommit, False
-        running.conn = running.pool = running.binding = None
-        if conn is None or pool is None:
+        running.conn = running.release = running.binding = None
+        if conn is None or release is None:
             return None
         failure: BaseException | None = None
         try:
@@ -641,7 +643,7 @@ class Idempotency(Middleware):
             with contextlib.suppress(Exception):
                 conn.autocommit = True
         try:
-            pool.putconn(conn)
+            release(conn, commit and failure is None)
         except Exception:  # a pool closed under us; never let this escape a before-hook
             logger.exception("could not return the job connection of message %s", running.job.message_id)
         return failure if commit else None

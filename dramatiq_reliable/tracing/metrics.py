@@ -136,6 +136,18 @@ class HealthGauges:
             unit="{message}",
             description="Dead letters neither replayed nor discarded, by queue.",
         )
+        meter.create_observable_gauge(
+            names.METRIC_RATE_LIMIT_WAITING,
+            callbacks=[self._observe_rate_waiting],
+            unit="{message}",
+            description="Jobs postponed to a reserved token of a rate-limited key, by key (limited keys only).",
+        )
+        meter.create_observable_gauge(
+            names.METRIC_RATE_LIMIT_PAUSED,
+            callbacks=[self._observe_rate_paused],
+            unit="s",
+            description="How long a rate-limited key stays paused by a provider's 429, by key (0: not paused).",
+        )
         if queue_depth:
             meter.create_observable_gauge(
                 names.METRIC_QUEUE_DEPTH,
@@ -213,6 +225,22 @@ class HealthGauges:
 
     def _observe_dead_letters(self, options: CallbackOptions) -> Iterable[Observation]:
         return self._observe_postgres(lambda item: item.dead_letters)
+
+    def _observe_rate_waiting(self, options: CallbackOptions) -> Iterable[Observation]:
+        health = self._health()
+        if health is None or health.postgres_error:
+            return []
+        return [Observation(item.waiting, {names.RATE_LIMIT_KEY: item.key}) for item in health.rate_limits]
+
+    def _observe_rate_paused(self, options: CallbackOptions) -> Iterable[Observation]:
+        health = self._health()
+        if health is None or health.postgres_error:
+            return []
+        now_ms = health.collected_at * 1000
+        return [
+            Observation(max(0.0, (item.paused_until_ms or 0) - now_ms) / 1000, {names.RATE_LIMIT_KEY: item.key})
+            for item in health.rate_limits
+        ]
 
     def _observe_depth(self, options: CallbackOptions) -> Iterable[Observation]:
         # One point per place that was read (RabbitMQ, the Postgres queue table), so a place that

@@ -47,12 +47,15 @@ __all__ = [
     "METRIC_OUTBOX_SCHEDULED",
     "METRIC_PROCESS_DURATION",
     "METRIC_QUEUE_DEPTH",
+    "METRIC_RATE_LIMIT_PAUSED",
+    "METRIC_RATE_LIMIT_WAITING",
     "METRIC_RETRIES",
     "METRIC_SINGLETON_HELD",
     "OPERATION_CREATE",
     "OPERATION_PROCESS",
     "OPERATION_SEND",
     "QUEUE_KIND",
+    "RATE_LIMIT_KEY",
     "RELAY_BATCH_EVENT",
     "REPLAY_COUNT",
     "RETRY_ATTEMPT",
@@ -118,6 +121,7 @@ DUPLICATE: Final = "dramatiq_reliable.idempotency.duplicate"
 SINGLETON_HELD: Final = "dramatiq_reliable.singleton.held"
 REPLAY_COUNT: Final = "dramatiq_reliable.replay.count"
 QUEUE_KIND: Final = "dramatiq_reliable.queue.kind"
+RATE_LIMIT_KEY: Final = "dramatiq_reliable.rate_limit.key"
 #: Why a span links to another: ``creation``, ``origin`` or ``previous_attempt``.
 LINK_ROLE: Final = "dramatiq_reliable.link.role"
 LINK_ROLE_CREATION: Final = "creation"
@@ -133,6 +137,8 @@ METRIC_OUTBOX_OLDEST_AGE: Final = "dramatiq_reliable.outbox.oldest_age"
 METRIC_OUTBOX_SCHEDULED: Final = "dramatiq_reliable.outbox.scheduled"
 METRIC_DEAD_LETTERS_PENDING: Final = "dramatiq_reliable.dead_letters.pending"
 METRIC_QUEUE_DEPTH: Final = "dramatiq_reliable.queue.depth"
+METRIC_RATE_LIMIT_WAITING: Final = "dramatiq_reliable.rate_limit.waiting"
+METRIC_RATE_LIMIT_PAUSED: Final = "dramatiq_reliable.rate_limit.paused"
 
 # Span events.  The retry ones are ClassifiedRetries' event names, written by Tracing itself
 # when Dramatiq's own Retries decided; the others are events of the package it reacts to.

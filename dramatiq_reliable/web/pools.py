@@ -44,8 +44,9 @@ class ReadPool:
         if isinstance(database, str):
             conninfo, kwargs = database, connection_kwargs(database)
         else:
-            pool = Database.of(database).pool
-            conninfo = str(pool.conninfo)
+            shared = Database.of(database)
+            pool = shared.pool
+            conninfo = shared.conninfo  # a Database may resolve it late (dramatiq_reliable.django)
             kwargs = dict(pool.kwargs) if isinstance(pool.kwargs, dict) else {}
         kwargs["options"] = _with_timeout(conninfo, kwargs.get("options"), statement_timeout_ms)
         self.statement_timeout_ms = statement_timeout_ms

@@ -39,6 +39,15 @@ def stop_app(process: subprocess.Popen[str]) -> None:
         process.stdin.close()
 
 
+def kill_app(process: subprocess.Popen[str]) -> None:
+    """SIGKILL the app (a worker lost mid-job: no shutdown hook runs) and reap it; safe if it is gone."""
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=10)
+    if process.stdin is not None:
+        process.stdin.close()
+
+
 def run_until_stdin_closes(broker: Any, *, threads: int = 2, prefetch: int | None = None) -> None:
     """The apps' main: a Dramatiq worker on ``broker`` until the test closes stdin (or kills us)."""
     worker = dramatiq.Worker(broker, worker_threads=threads, worker_timeout=100)

@@ -1,0 +1,3 @@
+"""Management commands of the dramatiq-reliable Django app."""
+
+__all__: list[str] = []

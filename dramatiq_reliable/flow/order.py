@@ -1,0 +1,321 @@
+"""Order per key: jobs with the same ``order_key`` run one at a time, in send order, on every worker.
+
+**At send time** the job gets its place in its key's sequence: a row in ``order_jobs`` written
+in the sender's transaction, from a ``before_enqueue`` hook (the send path itself is untouched).
+Senders of one key take a per-key lock until they commit, so the sequence is the order of their
+commits; inside one transaction it is the order of the ``send()`` calls.  A send with nothing
+bound opens a short transaction of its own for the row and the message together, so neither is
+written without the other (a place whose message never came would hold the key for ever).
+
+**At consume time** only the head of a key (its lowest place) runs, under a lease on
+``order_keys`` that a heartbeat renews.  A job delivered before its turn is *parked*: its body is
+kept on its ``order_jobs`` row and the delivery acked, so nothing spins through the queue; the
+head's completion deletes its row and sends the next job again, in the same transaction.  Other
+keys are never held up.  A failed head stays the head: a retry keeps its place and the key
+waits for it; a head that dies (a dead letter) parks its key until the dead letter is replayed
+(the replay runs as the head) or discarded (the heartbeat's sweep frees the key).  A killed
+worker's lease lapses after ``lease_ms`` and the sweep hands the key on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import threading
+from typing import Any
+
+import dramatiq
+import psycopg
+from dramatiq.broker import Broker, MessageProxy
+from dramatiq.errors import ActorNotFound
+from dramatiq.message import Message
+from dramatiq.middleware import SkipMessage
+from dramatiq.worker import WorkerThread
+from psycopg.rows import dict_row
+from psycopg_pool import PoolTimeout
+
+from .. import _sql, events
+from .._util import first_line, redact
+from ..binding import ambient_connection, bind, bound_connection, check_joinable
+from ..database import Database
+from ..errors import ActorOptionError, DatabaseUnavailable
+from ..idempotency._connections import autocommit
+from ._keyed import (
+    KeyedMiddleware,
+    check_key_option,
+    derive_key,
+    fail_closed,
+    not_migrated,
+    parked_body,
+    parked_queue,
+)
+
+__all__ = ["ORDER_SEQ_OPTION", "OrderParked", "OrderedKeys", "order_waiting"]
+
+logger = logging.getLogger("dramatiq_reliable.flow.order")
+
+#: The message option holding the job's place in its key's sequence (retries and replays keep it).
+ORDER_SEQ_OPTION = "order_seq"
+# How many keys one heartbeat frees.
+_SWEEP_LIMIT = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderParked(events.Event):
+    """A job was delivered before its turn (or while its key's head runs) and waits in Postgres."""
+
+    name = "order.parked"
+    actor_name: str
+    message_id: str
+    key: str
+    seq: int
+
+
+@dataclasses.dataclass
+class _Head:
+    key: str
+    seq: int
+    token: int
+    message_id: str
+    #: Sent again while it ran (a retry, a postponement): its row must stay.
+    requeued: bool = False
+
+
+_current: contextvars.ContextVar[_Head | None] = contextvars.ContextVar("dramatiq_reliable_order", default=None)
+# Transactions a send opened for itself (nothing was bound), closed by after_enqueue(_failed).
+_own: contextvars.ContextVar[tuple[str, contextlib.ExitStack] | None] = contextvars.ContextVar(
+    "dramatiq_reliable_order_send", default=None
+)
+
+
+class OrderedKeys(KeyedMiddleware[_Head]):
+    """Jobs of one ``order_key`` run one at a time, in send order; other keys run alongside.
+
+    Actor option:
+      order_key: a callable over the actor's arguments giving the key, e.g.
+        ``lambda account_id, *_: f"account-{account_id}"``.
+
+    A key function that raises or gives no usable string fails closed: at send time the send
+    raises :class:`~dramatiq_reliable.ActorOptionError` naming the actor (nothing is written);
+    a delivered message of an ordered actor that carries no place (sent by a process without
+    this middleware) is not run but dead-lettered, so a replay can give it one.  ``order_key``
+    cannot be combined with a ``dedupe_key`` (a duplicate writes no message, and its place would
+    hold the key for ever).
+
+    Parameters:
+      database, schema: where the tables live; default the broker's (an ``OutboxBroker`` or a
+        ``PostgresBroker``: a woken message is sent again as a row of its outbox or queue table).
+      lease_ms: how long a running head's lease outlives a holder that stopped renewing it (a
+        killed worker); the heartbeat renews every ``lease_ms / 3``.
+
+    Add it after ``Singleton`` and
+    :class:`ConcurrencyLimit` (they may postpone a message it lets run) and before
+    ``Idempotency``:
+
+    >>> broker.add_middleware(OrderedKeys())  # doctest: +SKIP
+    """
+
+    label = "OrderedKeys"
+    option = "order_key"
+    renew_query = "order_renew"
+
+    @property
+    def actor_options(self) -> set[str]:
+        return {"order_key"}
+
+    def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
+        if check_key_option(actor, "order_key", "lambda account_id, *_: f'account-{account_id}'") is None:
+            return
+        if actor.options.get("dedupe_key") is not None:
+            raise ActorOptionError(
+                f"actor {actor.actor_name!r} has both order_key and dedupe_key; a deduplicated send writes no message "
+                "and its place would hold the key for ever: remove one of them"
+            )
+        self._check_position(broker)
+        self.database_for(broker)
+
+    # -- sending ------------------------------------------------------------------------------
+
+    def before_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
+        held = _current.get()
+        if held is not None and held.message_id == message.message_id:
+            held.requeued = True
+        if ORDER_SEQ_OPTION in message.options:
+            return  # a retry, a postponement or a replay: it keeps its place
+        derive = self._derive_of(broker, message.actor_name)
+        if derive is None:
+            return
+        key = derive_key(derive, "order_key", message)
+        if message.options.get("dedupe_key") is not None:
+            raise ActorOptionError(
+                f"message {message.message_id!r} of actor {message.actor_name!r} has an order_key and a dedupe_key; "
+                "send it without dedupe_key"
+            )
+        database, schema, _ = self.database_for(broker)
+        conn = bound_connection() or ambient_connection(database)
+        if conn is None:
+            if getattr(broker, "on_unbound", "autocommit") == "error" and not _in_worker():
+                return  # the send itself raises NotBound, naming the fix
+        else:
+            check_joinable(conn, database, actor_name=message.actor_name)
+        try:
+            if conn is None:
+                conn = self._open_own(database, message.message_id)
+            row = (
+                conn.cursor(row_factory=dict_row)
+                .execute(
+                    _sql.rendered("order_send", schema),
+                    {
+                        "lock": f"dramatiq_reliable.order:{schema}:{key}",
+                        "key": key,
+                        "message_id": message.message_id,
+                        "actor_name": message.actor_name,
+                    },
+                )
+                .fetchone()
+            )
+        except (psycopg.Error, PoolTimeout) as error:
+            # A MiddlewareError (DatabaseUnavailable is one): Dramatiq swallows any other error of
+            # a before-hook, and the message would be sent without its place.
+            raise not_migrated(error, schema, "OrderedKeys") or DatabaseUnavailable(
+                f"could not record the place of message {message.message_id!r} of actor {message.actor_name!r} in "
+                f"order key {key!r}: {type(error).__name__}: {redact(first_line(error))}; the message was not sent, "
+                "check the database connection and retry the transaction"
+            ) from error
+        assert row is not None
+        message.options[ORDER_SEQ_OPTION] = int(row["seq"])
+
+    def after_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
+        self._close_own(message.message_id, None)
+
+    def after_enqueue_failed(
+        self, broker: Broker, message: Message[Any], delay: int | None, *, exception: BaseException
+    ) -> None:
+        self._close_own(message.message_id, exception)
+
+    def _open_own(self, database: Database, message_id: str) -> psycopg.Connection[Any]:
+        stack = contextlib.ExitStack()
+        try:
+            conn = stack.enter_context(database.connection())
+            stack.enter_context(conn.transaction())
+            stack.enter_context(bind(conn))
+        except BaseException:
+            stack.close()
+            raise
+        _own.set((message_id, stack))
+        return conn
+
+    @staticmethod
+    def _close_own(message_id: str, error: BaseException | None) -> None:
+        own = _own.get()
+        if own is None or own[0] != message_id:
+            return
+        _own.set(None)
+        if error is None:
+            own[1].close()  # commits: the place and the message together
+        else:
+            own[1].__exit__(type(error), error, error.__traceback__)
+
+    def _derive_of(self, broker: Broker, actor_name: str) -> Any:
+        try:
+            return broker.get_actor(actor_name).options.get("order_key")
+        except ActorNotFound:
+            return None
+
+    # -- running ------------------------------------------------------------------------------
+
+    def before_worker_boot(self, broker: Broker, worker: Any) -> None:
+        self._check_position(broker)
+
+    def _check_position(self, broker: Broker) -> None:
+        # A MiddlewareError (ActorOptionError is one) is the only kind Dramatiq lets out of a hook.
+        mine = broker.middleware.index(self) if self in broker.middleware else -1
+        for index, other in enumerate(broker.middleware):
+            if index > mine >= 0 and type(other).__name__ in ("Singleton", "ConcurrencyLimit"):
+                raise ActorOptionError(
+                    f"{type(other).__name__} comes after OrderedKeys in the broker's middleware: a message it parks "
+                    "or postpones would lose its place; add OrderedKeys after it"
+                )
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        _current.set(None)
+        if self._derive_of(broker, message.actor_name) is None:
+            return
+        if ORDER_SEQ_OPTION not in message.options:
+            error = ActorOptionError(
+                f"message {message.message_id!r} of actor {message.actor_name!r} has no place in its order_key's "
+                "sequence (it was sent by a process without OrderedKeys); it was not run: add OrderedKeys to the "
+                "sender's broker and replay the dead letter"
+            )
+            fail_closed(message, error)
+        _, _, resend = self.database_for(broker)
+        params = {
+            "message_id": message.message_id,
+            "owner": self.owner,
+            "lease_ms": self.lease_ms,
+            "queue_name": parked_queue(message),
+            "body": parked_body(message),
+            # On a PostgresBroker the ack is a later synchronous commit that flushes the take too.
+            "async": resend["target"] == "queue",
+        }
+        row = self._take(broker, "order_take", params, f"look up message {message.message_id!r}")
+        if row["outcome"] == "unknown":
+            raise SkipMessage(f"message {message.message_id!r} is done already (its place is gone); a redelivery")
+        if row["outcome"] == "parked":
+            events.emit(OrderParked(message.actor_name, message.message_id, row["key"], int(row["seq"])))
+            raise SkipMessage(f"order key {row['key']!r}: not its turn; the message was parked")
+        head = _Head(row["key"], int(row["seq"]), int(row["token"]), message.message_id)
+        self._held.hold(head)
+        _current.set(head)
+
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any | None = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        # A failure keeps the job at the head: its retry (or its dead letter's replay) runs next.
+        self._release(broker, message, done=exception is None)
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        # Skipped after it took the key: cancelled or a duplicate is done; sent again is not.
+        head = _current.get()
+        self._release(broker, message, done=head is not None and not head.requeued and not message.failed)
+
+    def after_nack(self, broker: Broker, message: MessageProxy) -> None:
+        if self._derive_of(broker, message.actor_name) is None:
+            return
+        database, schema, _ = self.database_for(broker)
+        try:
+            with database.connection() as conn, autocommit(conn):
+                conn.execute(_sql.rendered("order_dead", schema), {"message_id": message.message_id})
+        except Exception:
+            logger.warning("could not mark message %s dead in its key's order", message.message_id, exc_info=True)
+
+    def _release(self, broker: Broker, message: MessageProxy, *, done: bool) -> None:
+        head = _current.get()
+        if head is None or head.message_id != message.message_id:
+            return
+        _current.set(None)
+        params = {"key": head.key, "seq": head.seq, "token": head.token, "done": done}
+        self._free(broker, "order_release", params, f"order key {head.key!r} after message {head.message_id}")
+
+    def sweep(self, broker: Broker) -> int:
+        """Free the keys of killed workers, of discarded dead heads and of cancelled jobs; returns how
+        many heads were sent again."""
+        return self._sweep(broker, "order_sweep", {"limit": _SWEEP_LIMIT})
+
+
+def _in_worker() -> bool:
+    return isinstance(threading.current_thread(), WorkerThread)
+
+
+def order_waiting(conn: psycopg.Connection[Any], *, schema: str, limit: int = 20) -> list[dict[str, Any]]:
+    """The keys with jobs waiting, dead heads first: ``key``, ``waiting``, ``head_state``, ``head_message_id``,
+    ``oldest_sent_at``."""
+    cursor = conn.cursor(row_factory=dict_row)
+    return cursor.execute(_sql.query("order_waiting", _sql.validate_schema(schema)), {"limit": limit}).fetchall()

@@ -1,0 +1,1 @@
+"""The shop app: orders, and the receipt job each order sends."""

@@ -1,0 +1,1 @@
+"""The django_shop project (settings, URLs)."""

@@ -1,0 +1,274 @@
+"""Order per key against real Postgres (and RabbitMQ): one job of a key at a time, in send order."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+from dramatiq.middleware import Callbacks
+from psycopg import sql
+
+from dramatiq_reliable import (
+    ActorOptionError,
+    DatabaseUnavailable,
+    DeadLetterFilter,
+    DeadLetters,
+    OutboxBroker,
+    PostgresBroker,
+    WorkerRelay,
+)
+from dramatiq_reliable.cli import main
+from dramatiq_reliable.dead_letters import PostgresDeadLetterStore
+from dramatiq_reliable.flow import OrderedKeys, order_waiting
+from dramatiq_reliable.jobs import cancel_job
+from dramatiq_reliable.testing import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(params=["postgres", "outbox"])
+def ordered(request: pytest.FixtureRequest, database_url: str, db_schema: str) -> Iterator[Any]:
+    """A broker of each kind with OrderedKeys (lease 1 s) and DeadLetters; the global broker."""
+    if request.param == "postgres":
+        broker: Any = PostgresBroker(database=database_url, schema=db_schema, lease_ms=2000)
+    else:
+        broker = OutboxBroker(url=request.getfixturevalue("rabbitmq_url"), database=database_url, schema=db_schema)
+        broker.add_middleware(WorkerRelay(poll_interval_ms=20))
+    broker.add_middleware(OrderedKeys(lease_ms=1000), before=Callbacks)
+    broker.add_middleware(DeadLetters())
+    dramatiq.set_broker(broker)
+    yield broker
+    broker.close()
+
+
+@pytest.fixture
+def queue(ordered: Any, request: pytest.FixtureRequest) -> str:
+    if isinstance(ordered, OutboxBroker):
+        return str(request.getfixturevalue("queue_name"))
+    return "ordered"
+
+
+@pytest.fixture
+def worker(ordered: Any) -> Iterator[dramatiq.Worker]:
+    instance = dramatiq.Worker(ordered, worker_timeout=50, worker_threads=4)
+    yield instance
+    instance.stop()
+
+
+def _rows(db: psycopg.Connection[Any], schema: str) -> list[tuple[Any, ...]]:
+    query = sql.SQL("SELECT key, seq, state FROM {} ORDER BY key, seq").format(sql.Identifier(schema, "order_jobs"))
+    return db.execute(query).fetchall()
+
+
+def test_jobs_of_a_key_run_one_at_a_time_in_send_order_and_other_keys_run_alongside(
+    ordered: Any, queue: str, worker: dramatiq.Worker, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    runs: list[tuple[str, int, str]] = []
+    running: dict[str, int] = {}
+    overlap: list[str] = []
+    lock = threading.Lock()
+
+    @dramatiq.actor(queue_name=queue, broker=ordered, order_key=lambda account, n: f"acct-{account}")
+    def sync(account: str, n: int) -> None:
+        with lock:
+            running[account] = running.get(account, 0) + 1
+            if running[account] > 1:
+                overlap.append(account)
+            others = [k for k, v in running.items() if v and k != account]
+            runs.append((account, n, ",".join(others)))
+        time.sleep(0.01)
+        with lock:
+            running[account] -= 1
+
+    with ordered.transaction():
+        for n in range(8):
+            for account in ("a", "b", "c"):
+                sync.send(account, n)
+    worker.start()
+    wait_for(lambda: len(runs) == 24, timeout_ms=30_000, message=f"not every job ran: {runs}")
+    assert not overlap, f"two jobs of one key ran at once: {overlap}"
+    for account in ("a", "b", "c"):
+        assert [n for a, n, _ in runs if a == account] == list(range(8))
+    assert any(others for *_, others in runs), "the keys never ran alongside each other"
+    wait_for(lambda: not _rows(db, db_schema), message="the finished jobs left their places behind")
+
+
+def test_a_retrying_head_keeps_its_place_and_a_dead_one_parks_its_key_until_replayed(
+    ordered: Any, queue: str, worker: dramatiq.Worker, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    runs: list[tuple[str, int]] = []
+    failures = {("a", 1): 1, ("a", 2): 99}  # a1 fails once (retried), a2 fails for good
+
+    @dramatiq.actor(
+        queue_name=queue,
+        broker=ordered,
+        order_key=lambda account, n: account,
+        max_retries=1,
+        min_backoff=50,
+        max_backoff=100,
+    )
+    def step(account: str, n: int) -> None:
+        runs.append((account, n))
+        if failures.get((account, n), 0) > 0:
+            failures[(account, n)] -= 1
+            raise RuntimeError(f"step {account}{n} failed")
+
+    with ordered.transaction():
+        for n in range(4):
+            step.send("a", n)
+        step.send("b", 0)
+    worker.start()
+    wait_for(lambda: ("b", 0) in runs and runs.count(("a", 2)) == 2, timeout_ms=30_000, message=f"runs: {runs}")
+    wait_for(lambda: _rows(db, db_schema)[:1] == [("a", 3, "dead")], message=f"a2 not dead: {_rows(db, db_schema)}")
+    assert [r for r in runs if r[0] == "a"] == [("a", 0), ("a", 1), ("a", 1), ("a", 2), ("a", 2)]
+    assert [(row["key"], row["head_state"], row["waiting"]) for row in order_waiting(db, schema=db_schema)] == [
+        ("a", "dead", 2)
+    ]
+    failures[("a", 2)] = 0
+    PostgresDeadLetterStore.from_broker(ordered).replay(where=DeadLetterFilter(), force=True)
+    wait_for(lambda: ("a", 3) in runs, timeout_ms=15_000, message=f"the replay did not release the key: {runs}")
+    assert [r for r in runs if r[0] == "a"][-3:] == [("a", 2), ("a", 2), ("a", 3)]
+    wait_for(lambda: not _rows(db, db_schema), message="places left behind")
+
+
+def test_a_discarded_dead_head_releases_its_key_and_a_send_outside_a_transaction_keeps_its_place(
+    ordered: Any, queue: str, worker: dramatiq.Worker, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    runs: list[int] = []
+
+    @dramatiq.actor(queue_name=queue, broker=ordered, order_key=lambda n: "k", max_retries=0)
+    def step(n: int) -> None:
+        runs.append(n)
+        if n == 1:
+            raise RuntimeError("step 1 failed")
+
+    for n in range(3):
+        step.send(n)  # nothing bound: each send commits its place and its message together
+    worker.start()
+    wait_for(lambda: _rows(db, db_schema) == [("k", 2, "dead"), ("k", 3, "parked")], message=f"{_rows(db, db_schema)}")
+    assert runs == [0, 1]
+    PostgresDeadLetterStore.from_broker(ordered).discard(where=DeadLetterFilter(), note="not needed")
+    wait_for(lambda: runs == [0, 1, 2], message=f"the discard did not release the key: {runs}")
+    wait_for(lambda: not _rows(db, db_schema), message="places left behind")
+
+
+def test_a_key_function_that_raises_refuses_the_send_and_writes_nothing(
+    ordered: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    @dramatiq.actor(queue_name=queue, broker=ordered, order_key=lambda account: account["id"])
+    def sync(account: Any) -> None:
+        raise AssertionError("never runs")
+
+    raised = r"of actor 'sync': order_key raised TypeError: .*the job was not run"
+    with pytest.raises(ActorOptionError, match=raised), ordered.transaction():
+        sync.send("acct-1")
+    with pytest.raises(ActorOptionError, match=r"of actor 'sync': order_key gave 7, not a non-empty string"):
+        sync.send({"id": 7})
+    table = "queue" if isinstance(ordered, PostgresBroker) else "outbox"
+    assert db.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(db_schema, table))).fetchone() == (0,)
+    assert _rows(db, db_schema) == []
+
+
+def test_a_message_sent_without_a_place_is_not_run_but_dead_lettered(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any]
+) -> None:
+    plain = PostgresBroker(database=database_url, schema=db_schema)
+    worker_broker = PostgresBroker(database=database_url, schema=db_schema, lease_ms=2000)
+    worker_broker.add_middleware(OrderedKeys(lease_ms=1000), before=Callbacks)
+    worker_broker.add_middleware(DeadLetters())
+    runs: list[int] = []
+    dramatiq.actor(lambda n: None, actor_name="step", queue_name="ordered", broker=plain).send(1)
+    dramatiq.actor(runs.append, actor_name="step", queue_name="ordered", broker=worker_broker, order_key=str)
+    worker = dramatiq.Worker(worker_broker, worker_timeout=50, worker_threads=1)
+    worker.start()
+    try:
+        store = PostgresDeadLetterStore.from_broker(worker_broker)
+        wait_for(lambda: store.count(where=DeadLetterFilter()) == 1, message="the message was not dead-lettered")
+    finally:
+        worker.stop()
+        plain.close()
+        worker_broker.close()
+    assert runs == []
+
+
+def test_a_schema_without_migration_14_refuses_the_send_naming_the_command(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any]
+) -> None:
+    db.execute(sql.SQL("DROP TABLE {} CASCADE").format(sql.Identifier(db_schema, "order_jobs")))
+    broker = PostgresBroker(database=database_url, schema=db_schema)
+    broker.add_middleware(OrderedKeys())
+    try:
+        sync = dramatiq.actor(lambda n: None, actor_name="sync", broker=broker, order_key=str)
+        with pytest.raises(
+            DatabaseUnavailable, match=rf"needs schema '{db_schema}' at version 14 .*run 'dramatiq-reliable"
+        ):
+            sync.send(1)
+    finally:
+        broker.close()
+
+
+def test_status_names_the_keys_that_wait_and_what_frees_a_dead_head(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    broker = PostgresBroker(database=database_url, schema=db_schema)
+    broker.add_middleware(OrderedKeys())
+    try:
+        sync = dramatiq.actor(lambda n: None, actor_name="sync", queue_name="ordered", broker=broker, order_key=str)
+        first = sync.send(7)
+        sync.send(7)
+    finally:
+        broker.close()
+    jobs = sql.Identifier(db_schema, "order_jobs")
+    db.execute(sql.SQL("UPDATE {} SET state = 'dead' WHERE message_id = %s").format(jobs), (first.message_id,))
+    base = ["status", "--database-url", database_url, "--schema", db_schema, "--skip-rabbitmq"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert f"order key '7': 2 waiting, dead head {first.message_id}: replay or discard its dead letter" in out
+    assert main([*base, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["keys_waiting"]["order"]
+    assert (row["key"], row["waiting"], row["head_state"], row["head_message_id"]) == ("7", 2, "dead", first.message_id)
+
+
+def test_a_head_whose_worker_died_before_its_release_is_sent_again_once_its_lease_lapses(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any]
+) -> None:
+    broker = PostgresBroker(database=database_url, schema=db_schema)
+    middleware = OrderedKeys(lease_ms=300)
+    broker.add_middleware(middleware)
+    try:
+        sync = dramatiq.actor(lambda n: None, actor_name="sync", queue_name="ordered", broker=broker, order_key=str)
+        sent = sync.send(1)
+        queue = sql.Identifier(db_schema, "queue")
+        (body,) = db.execute(sql.SQL("SELECT body FROM {}").format(queue)).fetchone() or (None,)
+        # A worker took the head and acked its delivery, then died before the release.
+        take = sql.SQL("SELECT outcome FROM {}.order_take(%s, 'gone', 300, 'ordered', %s, false)")
+        assert db.execute(take.format(sql.Identifier(db_schema)), (sent.message_id, body)).fetchone() == ("run",)
+        db.execute(sql.SQL("DELETE FROM {}").format(queue))
+        assert middleware.sweep(broker) == 0  # the lease still holds
+        wait_for(lambda: middleware.sweep(broker) == 1, message="the lapsed head was not sent again")
+        resent = db.execute(sql.SQL("SELECT message_id, queue_name FROM {}").format(queue)).fetchall()
+        assert resent == [(sent.message_id, "ordered")]
+        assert [(key, state) for key, _, state in _rows(db, db_schema)] == [("1", "waiting")]
+    finally:
+        broker.close()
+
+
+def test_a_cancelled_job_gives_up_its_place_so_its_successors_run(
+    ordered: Any, queue: str, worker: dramatiq.Worker, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    runs: list[int] = []
+    step = dramatiq.actor(runs.append, actor_name="step", queue_name=queue, broker=ordered, order_key=lambda n: "k")
+    with ordered.transaction():
+        first = step.send_with_options(args=(0,), delay=60_000)  # waits in Postgres: cancel deletes it there
+        for n in range(1, 3):
+            step.send(n)
+    cancel_job(ordered.database, db_schema, first.message_id, by="test")
+    worker.start()
+    wait_for(lambda: runs == [1, 2], message=f"the cancelled head held its key: {runs}")
+    wait_for(lambda: not _rows(db, db_schema), message="places left behind")
