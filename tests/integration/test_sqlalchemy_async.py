@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker, create_async_engine
 from test_sqlalchemy import Base, Order, orders, sa_url
 
-from dramatiq_reliable import ConfigurationError, NotBound, PostgresBroker, bind
+from dramatiq_reliable import ConfigurationError, NotBound, OutboxBroker, PostgresBroker, bind, send_async
 from dramatiq_reliable.binding import bound_async_connection, bound_connection, check_joinable
 from dramatiq_reliable.sqlalchemy import bind_sessions
 
@@ -189,6 +189,51 @@ def test_an_async_binding_outlived_by_its_session_transaction_is_not_joined(data
                 check_joinable(conn, None, actor_name="send_receipt")
 
     run(database_url, tables, body)
+
+
+@pytest.fixture(params=["outbox", "queue"])
+def row_broker(request: pytest.FixtureRequest, database_url: str, rabbitmq_url: str, tables: str) -> Iterator[Any]:
+    if request.param == "outbox":
+        broker: Any = OutboxBroker(url=rabbitmq_url, database=database_url, schema=tables, on_unbound="error")
+    else:
+        broker = PostgresBroker(database=database_url, schema=tables, on_unbound="error")
+    yield broker
+    broker.close()
+
+
+def test_send_async_inside_an_async_session_commits_and_rolls_back_with_it(database_url, tables, row_broker, db):
+    @dramatiq.actor(broker=row_broker, queue_name=f"q{uuid.uuid4().hex[:8]}")
+    def send_receipt(order_id: int) -> None:
+        pass
+
+    async def body(maker: async_sessionmaker[AsyncSession]) -> None:
+        async with maker() as session, bind(session):
+            session.add(Order(id=1))
+            await send_async(send_receipt, 1)
+            await session.commit()
+            with pytest.raises(NotBound, match="session's transaction ended"):
+                await send_async(send_receipt, 9)  # after the commit: its connection is back in the pool
+        async with maker() as session, bind(session):
+            session.add(Order(id=2))
+            await send_async(send_receipt, 2)
+            nested = await session.begin_nested()
+            await send_async(send_receipt, 3)
+            await nested.rollback()
+            await session.rollback()
+        async with maker() as session, bind(session):
+            await send_async(send_receipt, 4)
+            async with session.begin_nested():
+                await send_async(send_receipt, 5)
+            nested = await session.begin_nested()
+            await send_async(send_receipt, 6)
+            await nested.rollback()
+            await session.commit()
+
+    run(database_url, tables, body)
+    query = psycopg.sql.SQL("SELECT body FROM {} ORDER BY id").format(psycopg.sql.Identifier(tables, row_broker.table))
+    sent = [dramatiq.Message.decode(bytes(body)).args[0] for (body,) in db.execute(query).fetchall()]
+    assert sent == [1, 4, 5]
+    assert orders(db, tables) == [1]
 
 
 @pytest.fixture(autouse=True)
