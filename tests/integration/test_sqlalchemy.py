@@ -40,12 +40,16 @@ def sa_url(database_url: str, driver: str = "psycopg") -> str:
     return f"postgresql+{driver}://" + database_url.split("://", 1)[1]
 
 
+def row_broker_of(kind: str, database_url: str, rabbitmq_url: str, schema: str) -> Any:
+    """A broker whose sends are rows, refusing a send outside a transaction (so a missed join shows)."""
+    if kind == "outbox":
+        return OutboxBroker(url=rabbitmq_url, database=database_url, schema=schema, on_unbound="error")
+    return PostgresBroker(database=database_url, schema=schema, on_unbound="error")
+
+
 @pytest.fixture(params=["outbox", "queue"])
 def row_broker(request: pytest.FixtureRequest, database_url: str, rabbitmq_url: str, db_schema: str) -> Iterator[Any]:
-    if request.param == "outbox":
-        broker: Any = OutboxBroker(url=rabbitmq_url, database=database_url, schema=db_schema, on_unbound="error")
-    else:
-        broker = PostgresBroker(database=database_url, schema=db_schema, on_unbound="error")
+    broker = row_broker_of(request.param, database_url, rabbitmq_url, db_schema)
     yield broker
     broker.close()
 

@@ -17,9 +17,9 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker, create_async_engine
-from test_sqlalchemy import Base, Order, orders, sa_url
+from test_sqlalchemy import Base, Order, orders, row_broker_of, sa_url
 
-from dramatiq_reliable import ConfigurationError, NotBound, OutboxBroker, PostgresBroker, bind, send_async
+from dramatiq_reliable import ConfigurationError, NotBound, PostgresBroker, bind, send_async
 from dramatiq_reliable.binding import bound_async_connection, bound_connection, check_joinable
 from dramatiq_reliable.sqlalchemy import bind_sessions
 
@@ -193,10 +193,7 @@ def test_an_async_binding_outlived_by_its_session_transaction_is_not_joined(data
 
 @pytest.fixture(params=["outbox", "queue"])
 def row_broker(request: pytest.FixtureRequest, database_url: str, rabbitmq_url: str, tables: str) -> Iterator[Any]:
-    if request.param == "outbox":
-        broker: Any = OutboxBroker(url=rabbitmq_url, database=database_url, schema=tables, on_unbound="error")
-    else:
-        broker = PostgresBroker(database=database_url, schema=tables, on_unbound="error")
+    broker = row_broker_of(request.param, database_url, rabbitmq_url, tables)
     yield broker
     broker.close()
 
