@@ -79,6 +79,7 @@ ROUTES: dict[tuple[str, str], list[str]] = {
     ("GET", "/jobs"): [f"?{name}" for name in ("state", "actor", "queue", "junk")],
     ("GET", "/jobs/show"): ["?id", "?junk"],
     ("POST", "/jobs/cancel"): [f"={name}" for name in ("id", "reason", "confirm", "junk")] + ["header:origin"],
+    ("GET", "/rate-limits"): ["?junk"],
     ("GET", "/static/{path}"): ["{path}"],
 }
 #: What a path parameter is when it is not the one probed.
