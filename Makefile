@@ -27,7 +27,7 @@ demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/signup
 
 test: lint typing
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 lint: install
 	$(BIN)/ruff check dramatiq_reliable tests benchmarks examples
@@ -49,7 +49,8 @@ test-alt: install
 	  || psql "$(ALT_ADMIN_URL)" -qc "CREATE DATABASE dr_alt"
 	rabbitmqctl -q list_vhosts | grep -qx dr_alt || rabbitmqctl -q add_vhost dr_alt
 	rabbitmqctl -q set_permissions -p dr_alt guest '.*' '.*' '.*'
-	DATABASE_URL="$(ALT_DATABASE_URL)" RABBITMQ_URL="$(ALT_RABBITMQ_URL)" $(BIN)/pytest -q -m "not partition and not cluster"
+	DATABASE_URL="$(ALT_DATABASE_URL)" RABBITMQ_URL="$(ALT_RABBITMQ_URL)" $(BIN)/pytest -q -m "not partition and not cluster" \
+	  tests/integration tests/acceptance
 
 $(VENV)/.docs-installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[docs]'
