@@ -456,22 +456,21 @@ def _consumer_timeout(
 ) -> Finding:
     timeout = consumer_timeout_ms or DEFAULT_CONSUMER_TIMEOUT_MS
     source = "given" if consumer_timeout_ms else "RabbitMQ's default, assumed: pass the server's"
-    seen: dict[str, float] = {}
+    # (what, key in details) -> milliseconds
+    seen: dict[tuple[str, str], float] = {}
     if version >= schema.OUTBOX_VERSION:
-        seen["delay held by a worker"] = float(_one(conn, "doctor_delays", schema_name)["longest_delay_ms"])
-    seen["open transaction (a transactional job)"] = float(
-        _one(conn, "doctor_transactions", schema_name)["longest_transaction_ms"]
-    )
+        delay = _one(conn, "doctor_delays", schema_name)["longest_delay_ms"]
+        seen["delay held by a worker", "longest_delay_ms"] = float(delay)
+    transaction = _one(conn, "doctor_transactions", schema_name)["longest_transaction_ms"]
+    seen["open transaction (a transactional job)", "longest_transaction_ms"] = float(transaction)
     if longest_job_ms is not None:
-        seen["job (given)"] = float(longest_job_ms)
-    details: dict[str, Any] = {
-        "consumer_timeout_ms": timeout,
-        "source": source,
-        **{k: round(v) for k, v in seen.items()},
-    }
+        seen["job (given)", "longest_job_ms"] = float(longest_job_ms)
+    details: dict[str, Any] = {"consumer_timeout_ms": timeout, "source": source}
+    details.update({key: round(value) for (_, key), value in seen.items()})
     if version >= schema.LONG_JOBS_VERSION:
+        # Leased jobs are acked at once: shown, never held against the timeout.
         details["longest_lease_ms"] = round(float(_one(conn, "doctor_leases", schema_name)["longest_lease_ms"]))
-    what, longest = max(seen.items(), key=lambda item: item[1])
+    (what, _), longest = max(seen.items(), key=lambda item: item[1])
     text = (
         f"longest {what}: {format_age(longest / 1000)} against consumer_timeout {format_age(timeout / 1000)} ({source})"
     )

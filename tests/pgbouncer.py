@@ -20,8 +20,7 @@ from typing import IO
 from urllib.parse import unquote, urlsplit
 
 import psycopg
-
-from .support import closed_port, proxied, server_address
+from support import closed_port, proxied, server_address
 
 __all__ = ["pgbouncer"]
 
