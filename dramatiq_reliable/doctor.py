@@ -55,7 +55,6 @@ __all__ = [
     "Severity",
     "Thresholds",
     "diagnose",
-    "expected_indexes",
 ]
 
 Severity = Literal["ok", "warn", "fail"]
@@ -323,7 +322,7 @@ _DROP_INDEX = re.compile(r"DROP\s+INDEX\s+(?:CONCURRENTLY\s+)?(?:IF\s+EXISTS\s+)
 
 
 @functools.cache
-def expected_indexes(version: int) -> dict[str, str]:
+def _expected_indexes(version: int) -> dict[str, str]:
     """The named indexes migrations 1..``version`` leave, each with the statement that makes it."""
     found: dict[str, str] = {}
     for migration in schema.migrations():
@@ -340,7 +339,7 @@ def expected_indexes(version: int) -> dict[str, str]:
 def _indexes(conn: psycopg.Connection[Any], schema_name: str, version: int) -> Finding:
     if version == 0:
         return Finding("indexes", "ok", "no tables to check (schema not migrated)")
-    expected = expected_indexes(version)
+    expected = _expected_indexes(version)
     present = {row["name"]: row["valid"] for row in _all(conn, "doctor_indexes", schema_name, schema=schema_name)}
     missing = sorted(name for name in expected if name not in present)
     invalid = sorted(name for name, valid in present.items() if not valid)

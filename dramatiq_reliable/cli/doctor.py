@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ..doctor import Finding, diagnose
 from . import output
-from .common import Duration, ExitCode, configured_rabbitmq_url, database_url
+from .common import Duration, ExitCode, configured_rabbitmq_url, database_url, print_error
 
 __all__ = ["exit_code", "register", "render"]
 
@@ -62,6 +62,10 @@ def _handle(args: argparse.Namespace) -> int:
         longest_job_ms=args.longest_job,
     )
     code = exit_code(findings, strict=args.strict)
+    # What cannot be reached is said on stderr too, in one line, as every command does.
+    unreachable = [f.summary for f in findings if f.check in _SERVICES and f.severity == "fail"]
+    if unreachable:
+        print_error("; ".join(unreachable))
     if args.json:
         output.print_json({"ok": code == ExitCode.OK, "findings": [finding.as_dict() for finding in findings]})
     else:
@@ -72,7 +76,7 @@ def _handle(args: argparse.Namespace) -> int:
 def exit_code(findings: Sequence[Finding], *, strict: bool = False) -> ExitCode:
     """The command's exit code: what cannot be reached first, then the schema, then any problem."""
     failed = {finding.check for finding in findings if finding.severity == "fail"}
-    if failed & {"postgres", "rabbitmq"}:
+    if failed & _SERVICES:
         return ExitCode.UNAVAILABLE
     if "schema" in failed:
         return ExitCode.SCHEMA
@@ -81,6 +85,7 @@ def exit_code(findings: Sequence[Finding], *, strict: bool = False) -> ExitCode:
     return ExitCode.OK
 
 
+_SERVICES = frozenset({"postgres", "rabbitmq"})
 _MARKS = {"ok": "ok", "warn": "WARN", "fail": "FAIL"}
 
 

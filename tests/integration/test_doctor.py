@@ -15,7 +15,7 @@ from support import closed_port, proxied
 
 from dramatiq_reliable import _sql, schema
 from dramatiq_reliable.cli import ExitCode, main
-from dramatiq_reliable.doctor import CHECKS, Finding, Thresholds, diagnose, expected_indexes
+from dramatiq_reliable.doctor import CHECKS, Finding, Thresholds, _expected_indexes, diagnose
 from dramatiq_reliable.testing import wait_for
 
 pytestmark = pytest.mark.integration
@@ -58,7 +58,7 @@ def test_a_healthy_deployment_reads_all_ok(healthy_url: str, rabbitmq_url: str, 
     findings = diagnose(healthy_url, schema_name=db_schema, rabbitmq_url=rabbitmq_url)
     assert [finding.check for finding in findings] == list(CHECKS)
     assert {finding.check: finding.severity for finding in findings} == dict.fromkeys(CHECKS, "ok"), findings
-    assert by_check(findings)["indexes"].details["expected"] == len(expected_indexes(schema.LATEST_VERSION)) > 20
+    assert by_check(findings)["indexes"].details["expected"] == len(_expected_indexes(schema.LATEST_VERSION)) > 20
 
 
 def test_a_schema_behind_the_package_is_a_problem_naming_migrate(
