@@ -97,7 +97,7 @@ class Thresholds:
     """Where a reading turns into a warning or a problem; each default says why."""
 
     #: A due outbox row older than this means no relay publishes (a live relay takes a due row
-    #: within its poll interval, 1 s by default, even behind a pooler).
+    #: within its poll interval, 250 ms by default, even behind a pooler).
     relay_stale_ms: int = 60_000
     #: Clock skew that shifts delays and leases noticeably (warn), and enough to fire delayed
     #: jobs early or reap live leases (fail).
@@ -233,30 +233,29 @@ _POOLER_DISABLES = (
 def _pooler(database_url: str, conn: psycopg.Connection[Any], settings: dict[str, Any]) -> Finding:
     dialled = conn.info.port
     server = settings["server_port"]
-    details: dict[str, Any] = {"client_port": dialled, "server_port": server}
-    if server is None:
-        return Finding("pooler", "ok", "connected over a Unix socket: no pooler in between", details=details)
-    if dialled == server:
-        return Finding("pooler", "ok", "connected to Postgres directly (no pooler)", details=details)
+    # Probed whatever the ports say: a pooler may listen on 5432 of its own host, or on a socket.
     mode = _pool_mode(database_url)
-    details["pool_mode"] = mode
+    details: dict[str, Any] = {"client_port": dialled, "server_port": server, "pool_mode": mode}
     if mode == "transaction":
         return Finding(
             "pooler",
             "warn",
-            f"a pooler in transaction mode sits before Postgres (port {dialled} -> {server}): it disables "
-            f"{_POOLER_DISABLES}; session advisory locks: none of ours (all are transaction-level)",
-            "give the relay and PostgresBroker a direct URL for LISTEN (listen_database=), or accept polling "
-            "and lower poll_interval_ms; keep sends, idempotency and migrate on the pooled URL",
+            f"a pooler in transaction mode sits before Postgres: it disables {_POOLER_DISABLES}; "
+            "session advisory locks: none of ours (all are transaction-level)",
+            "point the relay, PostgresBroker's workers and the flow middleware at a direct Postgres URL (they "
+            "LISTEN), or accept polling (the relay's poll_interval_ms and the workers' worker_timeout bound the "
+            "wait); sends, idempotency and migrate work through the pooler",
             details,
         )
-    return Finding(
-        "pooler",
-        "ok",
-        f"a pooler or proxy in session mode sits before Postgres (port {dialled} -> {server}): every feature "
-        "works, one server connection per client connection",
-        details=details,
-    )
+    if server is not None and dialled != server:
+        return Finding(
+            "pooler",
+            "ok",
+            f"a pooler or proxy in session mode sits before Postgres (port {dialled} -> {server}): every "
+            "feature works, one server connection per client connection",
+            details=details,
+        )
+    return Finding("pooler", "ok", "no transaction pooler before Postgres", details=details)
 
 
 def _pool_mode(database_url: str) -> str:

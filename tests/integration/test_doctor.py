@@ -176,7 +176,7 @@ def test_pgbouncer_in_transaction_mode_is_found_and_every_check_still_runs(datab
     assert found["pooler"].severity == "warn"
     assert found["pooler"].details["pool_mode"] == "transaction"
     assert "LISTEN/NOTIFY wake-ups" in found["pooler"].summary
-    assert "listen_database=" in found["pooler"].fix
+    assert "a direct Postgres URL" in found["pooler"].fix
     assert {found[name].severity for name in ("schema", "indexes", "relay", "clock")} == {"ok"}
 
 
