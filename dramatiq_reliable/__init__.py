@@ -7,6 +7,7 @@ sub-modules stay importable for their less common names, such as the event recor
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
+from .async_sending import send_async, send_async_with_options
 from .checkpoints import CheckpointWindow, checkpoint
 from .classify import Decision, classify
 from .database import Database
@@ -52,6 +53,7 @@ from .idempotency import (
     current_job,
     external_key,
     job_connection,
+    job_connection_async,
 )
 from .jobs import Cancellation, CancelResult, JobStatus, cancel_job, check_cancelled, is_cancelled, list_jobs, show_job
 from .outbox import OutboxBroker, Relay, RelayOptions, WorkerRelay, bind
@@ -128,11 +130,14 @@ __all__ = [
     "external_key",
     "is_cancelled",
     "job_connection",
+    "job_connection_async",
     "list_jobs",
     "migrate",
     "migration_sql",
     "no_delays",
     "schedule",
+    "send_async",
+    "send_async_with_options",
     "show_job",
 ]
 

@@ -1,25 +1,33 @@
 """The Postgres connection pool a process shares between the broker, the relay and the middleware.
 
 A :class:`Database` opens its pool on first use, not at construction, so building a broker at
-import time does no I/O.  Every constructor of this package that needs Postgres takes one
+import time does no I/O.  Async sends (``await send_async(...)``, ``async with
+broker.transaction()``) use a second, async pool on the same conninfo, also opened on first use:
+one per event loop, since an ``AsyncConnectionPool`` belongs to the loop that opened it (a
+FastAPI app's loop and Dramatiq's ``AsyncIO`` worker loop each get theirs).  Every constructor of this package that needs Postgres takes one
 ``database=`` argument: a URL, an existing ``psycopg_pool.ConnectionPool`` (the app's own, which
 is then never closed by us), or a :class:`Database` to share between several parts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Union
 
 import psycopg
-from psycopg_pool import ConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ._checks import check_int, check_ms
 from .errors import ConfigurationError
 
 __all__ = ["Database", "DatabaseLike"]
+
+logger = logging.getLogger("dramatiq_reliable.database")
 
 #: What a ``database=`` argument accepts.
 DatabaseLike = Union[str, "ConnectionPool[Any]", "Database"]
@@ -85,6 +93,12 @@ class Database:
         self._lock = threading.Lock()
         self._opened = not self._owned
         self._identity: tuple[str | None, int | None] | None = None
+        # per event loop: its pool, and every connection that pool opened, so close() can end
+        # those of a loop already closed (whose pool can no longer run its own close)
+        self._async_pools: dict[
+            asyncio.AbstractEventLoop,
+            tuple[AsyncConnectionPool[Any], weakref.WeakSet[psycopg.AsyncConnection[Any]]],
+        ] = {}
         self.pool: ConnectionPool[Any] = pool or ConnectionPool(
             url or "",
             kwargs=connection_kwargs(url or ""),
@@ -177,7 +191,109 @@ class Database:
         return psycopg.connect(self.conninfo, **{**options, **kwargs})
 
     def close(self) -> None:
-        """Close the pool if this object created it."""
+        """Close the pool if this object created it, and the async pools (see :meth:`aclose`)."""
+        self._close_async_pools()
         if self._owned and self._opened:
             self.pool.close()
             self._opened = False
+
+    # -- the async pools ---------------------------------------------------------------------------
+
+    async def async_pool(self) -> AsyncConnectionPool[Any]:
+        """The async pool of the running event loop, created and opened on first use.
+
+        Always ours (also when the sync pool is the application's): built from the same
+        conninfo, with :data:`CONNECTION_DEFAULTS` and the sync pool's maximum size.
+        """
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            entry = self._async_pools.get(loop)
+            if entry is None:
+                for stale in [other for other in self._async_pools if other.is_closed()]:
+                    _end_connections(self._async_pools.pop(stale)[1])
+                opened: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+
+                async def track(conn: psycopg.AsyncConnection[Any]) -> None:
+                    opened.add(conn)
+
+                options = self.pool.kwargs if isinstance(self.pool.kwargs, dict) else {}
+                entry = self._async_pools[loop] = (
+                    AsyncConnectionPool(
+                        self.conninfo,
+                        kwargs={**connection_kwargs(self.conninfo), **options},
+                        # no connection opened in the background: a loop that ends without
+                        # aclose() then has no connect of ours in flight to cancel
+                        min_size=0,
+                        max_size=self.pool.max_size,
+                        open=False,
+                        name="dramatiq-reliable-async",
+                        timeout=self._timeout_s,
+                        configure=track,
+                    ),
+                    opened,
+                )
+        pool = entry[0]
+        if pool.closed:
+            await pool.open(wait=False)
+        return pool
+
+    @contextlib.asynccontextmanager
+    async def async_connection(self, *, timeout_ms: int | None = None) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """Borrow a connection of the running loop's async pool (waiting at most ``timeout_ms``)."""
+        pool = await self.async_pool()
+        async with pool.connection(timeout=timeout_ms / 1000 if timeout_ms else self._timeout_s) as conn:
+            yield conn
+
+    @contextlib.asynccontextmanager
+    async def async_autocommit(self, *, timeout_ms: int | None = None) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """Borrow an async connection in autocommit: one round trip a statement."""
+        async with self.async_connection(timeout_ms=timeout_ms) as conn:
+            if not conn.autocommit:
+                await conn.set_autocommit(True)
+            yield conn
+
+    async def aclose(self) -> None:
+        """Close the running loop's async pool (await it before that loop ends: a FastAPI
+        lifespan's shutdown), then everything :meth:`close` closes."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            entry = self._async_pools.pop(loop, None)
+        if entry is not None:
+            await entry[0].close()
+        await asyncio.to_thread(self.close)
+
+    def _close_async_pools(self) -> None:
+        """Close the async pools from sync code, each the way its loop allows.
+
+        A loop running in another thread closes its pool there; a loop not running closes it
+        here; on a loop already closed (one that ended without aclose()) the pool's tasks are
+        gone, so its connections are ended one by one.  Called from the loop's own thread (a
+        sync ``close()`` inside async code), the close is scheduled on that loop.
+        """
+        with self._lock:
+            pools = list(self._async_pools.items())
+            self._async_pools.clear()
+        try:
+            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        for loop, (pool, opened) in pools:
+            if loop.is_closed() or pool.closed:
+                _end_connections(opened)
+            elif loop is current:
+                loop.create_task(pool.close())
+            elif loop.is_running():
+                try:
+                    asyncio.run_coroutine_threadsafe(pool.close(), loop).result(timeout=self._timeout_s)
+                except Exception as error:  # the loop stopped meanwhile: end what is left
+                    logger.warning("could not close an async pool on its loop (%s); ending its connections", error)
+                    _end_connections(opened)
+            else:
+                loop.run_until_complete(pool.close())
+
+
+def _end_connections(opened: weakref.WeakSet[psycopg.AsyncConnection[Any]]) -> None:
+    """End the sockets of a pool whose loop is closed: no task of it can use them any more."""
+    for conn in list(opened):
+        if not conn.closed:
+            conn.pgconn.finish()

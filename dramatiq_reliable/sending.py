@@ -29,6 +29,7 @@ else a send does is here, once:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import datetime
@@ -36,7 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, ClassVar, Literal, TypedDict
+from typing import Any, ClassVar, Literal, NamedTuple, TypedDict
 
 import psycopg
 from dramatiq.broker import Broker, MessageProxy
@@ -44,6 +45,7 @@ from dramatiq.common import current_millis, dq_name, q_name
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware
 from dramatiq.worker import WorkerThread
+from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
 from . import _sql
@@ -51,8 +53,9 @@ from . import dedupe as _dedupe
 from . import schema as _schema
 from ._checks import check_choice, check_int, check_ms
 from ._util import first_line, redact
+from .async_sending import BrokerTransaction
 from .backing import SendsTo
-from .binding import ambient_connection, bound_async_connection, bound_connection, bound_transaction, check_joinable
+from .binding import ambient_connection, bound_async_connection, bound_connection, check_joinable
 from .database import Database, DatabaseLike
 from .errors import ConfigurationError, NotBound, OutboxWriteError, PayloadError, SchemaNotReady
 
@@ -158,6 +161,40 @@ def validate_send(message: Message[Any], delay: Any) -> None:
         )
 
 
+class _Attempts:
+    """The attempts of one autocommit write: the first retry is at once, later ones back off
+    from 50 ms to 2 s until ``budget_ms`` has passed (at least two attempts in all)."""
+
+    def __init__(self, budget_ms: int) -> None:
+        self.deadline = time.monotonic() + budget_ms / 1000
+        self.count = 0
+        self._pause = 0.05
+
+    def next_timeout_ms(self) -> int | None:
+        """Count an attempt; how long it may wait for a pooled connection (the pool's default if ``None``)."""
+        self.count += 1
+        remaining_ms = int((self.deadline - time.monotonic()) * 1000)
+        return max(500, remaining_ms) if remaining_ms > 0 else None
+
+    def over(self) -> bool:
+        return self.count >= 2 and time.monotonic() >= self.deadline
+
+    def pause(self) -> float:
+        if self.count < 2:
+            return 0.0
+        pause, self._pause = self._pause, min(self._pause * 2, 2.0)
+        return pause
+
+
+class _Send(NamedTuple):
+    """A send between its validation and its write."""
+
+    message: Message[Any]
+    delay: int | None
+    row: Row
+    dedupe: tuple[str, int] | None
+
+
 class RowSending:
     """The send path of a broker whose messages are Postgres rows (mixed in before the Dramatiq broker class).
 
@@ -172,6 +209,10 @@ class RowSending:
     #: The table a send writes to, and the schema version that created it.
     table: ClassVar[str]
     required_version: ClassVar[int]
+    #: The statements (``sql/<name>.sql``) writing a row, and a row with its dedupe key: the
+    #: sync and async paths run the same ones.
+    insert_query: ClassVar[str]
+    insert_dedupe_query: ClassVar[str]
 
     database: Database
     schema: str
@@ -216,15 +257,21 @@ class RowSending:
 
     # -- the caller's transaction ------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[psycopg.Connection[Any]]:
-        """Open a pooled connection and transaction, and bind it for ``send()``.
+    def transaction(self) -> BrokerTransaction:
+        """Open a pooled connection and transaction, and bind it for sends: ``with`` or ``async with``.
 
         The transaction commits when the block exits normally and rolls back when it raises;
-        do your own writes on the yielded connection so they commit with the messages.
+        do your own writes on the yielded connection so they commit with the messages.  In
+        async code (``async with broker.transaction() as conn``) the connection is a psycopg
+        ``AsyncConnection`` of the broker's async pool and sends are ``await send_async(...)``.
         """
-        with bound_transaction(self.database) as conn:
-            yield conn
+        return BrokerTransaction(self.database)
+
+    async def aclose(self) -> None:
+        """Close the broker from async code: the running loop's async pool first (it must be
+        closed on its own loop), then everything ``close()`` closes, in a thread."""
+        await self.database.aclose()
+        await asyncio.to_thread(self.close)  # type: ignore[attr-defined]
 
     # -- sending -----------------------------------------------------------------------------------
 
@@ -234,7 +281,30 @@ class RowSending:
         Returns the message sent or, when its dedupe key was held, the first message's id on a
         copy of ``message`` (nothing was written).
         """
+        send = self._begin_send(message, delay)
+        try:
+            first = self._write(send.message, send.row, send.dedupe)
+        except BaseException as error:
+            self._emit_enqueue_failed(send.message, delay, error)
+            raise
+        return self._end_send(send, first)
+
+    async def enqueue_async(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
+        """:meth:`enqueue` for async code: the same validation, dedupe and middleware; only the
+        write differs (see :mod:`dramatiq_reliable.async_sending`)."""
+        send = self._begin_send(message, delay)
+        try:
+            first = await self._write_async(send.message, send.row, send.dedupe)
+        except BaseException as error:
+            self._emit_enqueue_failed(send.message, delay, error)
+            raise
+        return self._end_send(send, first)
+
+    def _begin_send(self, message: Message[Any], delay: int | None) -> _Send:
+        """Everything a send does before its write, shared by the sync and async paths: validate,
+        take the dedupe key, address a delay, encode, and ``before_enqueue``."""
         broker: Broker = self  # type: ignore[assignment]
+        self._check_message(message)
         validate_send(message, delay)
         dedupe = _dedupe.dedupe_of(broker, message)
         held = processing_message()
@@ -252,12 +322,21 @@ class RowSending:
             broker.emit_before("enqueue", message, delay)
             # Encoded again: before_enqueue hooks may have added options (trace context).
             body = self.encode(message, warn=False)
-            first = self._write(message, self._row(message, canonical, body), dedupe)
+            row = self._row(message, canonical, body)
         except BaseException as error:
             self._emit_enqueue_failed(message, delay, error)
             raise
+        return _Send(message, delay, row, dedupe)
+
+    def _check_message(self, message: Message[Any]) -> None:
+        """A broker's own refusals (``PayloadError``), before anything else a send does."""
+
+    def _end_send(self, send: _Send, first: str) -> Message[Any]:
+        """``after_enqueue`` and the message returned, once the row is written (or deduped)."""
+        broker: Broker = self  # type: ignore[assignment]
+        message = send.message
         # after_enqueue sees the message before_enqueue saw, so hooks pair (a span ends).
-        broker.emit_after("enqueue", message, delay)
+        broker.emit_after("enqueue", message, send.delay)
         if first != message.message_id:
             logger.debug(
                 "message %s for actor %r is a duplicate of %s (dedupe key held); nothing written",
@@ -306,11 +385,11 @@ class RowSending:
         )
 
     def _insert(self, conn: psycopg.Connection[Any], row: Row) -> None:
-        raise NotImplementedError
+        conn.execute(_sql.rendered(self.insert_query, self.schema), row)
 
     def _insert_deduped(self, conn: psycopg.Connection[Any], row: Row, key: str, window_ms: int) -> str:
         """Write the row unless another message holds ``key`` (see :func:`dramatiq_reliable.dedupe.insert_row`)."""
-        raise NotImplementedError
+        return _dedupe.insert_row(conn, _sql.rendered(self.insert_dedupe_query, self.schema), row, key, window_ms)
 
     def _write_held(self, conn: psycopg.Connection[Any], message: Message[Any], row: Row) -> bool:
         """Write a worker's send of the message it holds some other way (True: done)."""
@@ -349,49 +428,113 @@ class RowSending:
         if conn is not None:
             check_joinable(conn, self.database, actor_name=message.actor_name)
             return self._execute(conn, row, message, dedupe)
-        in_worker = isinstance(threading.current_thread(), WorkerThread)
+        return self._write_unbound(message, row, dedupe, isinstance(threading.current_thread(), WorkerThread))
+
+    def _write_unbound(self, message: Message[Any], row: Row, dedupe: tuple[str, int] | None, in_worker: bool) -> str:
+        """Commit the row on its own on a pooled connection (or ``NotBound`` under ``on_unbound="error"``)."""
+        self._check_unbound(message, in_worker)
+        attempts = _Attempts(self.worker_write_timeout_ms if in_worker else 0)
+        while True:
+            try:
+                with self.database.autocommit(timeout_ms=attempts.next_timeout_ms()) as pooled:
+                    if in_worker and self._write_held(pooled, message, row):
+                        return message.message_id
+                    return self._execute(pooled, row, message, dedupe)
+            except (OutboxWriteError, PoolTimeout, psycopg.OperationalError) as error:
+                time.sleep(self._pause_or_raise(attempts, error, message, row, in_worker))
+
+    def _check_unbound(self, message: Message[Any], in_worker: bool) -> None:
         if self.on_unbound == "error" and not in_worker:
             raise NotBound(
                 f"send() of actor {message.actor_name!r} outside a transaction; wrap it in "
                 "'with broker.transaction():' or 'with bind(conn):', or build the broker with on_unbound='autocommit'"
             )
-        # Autocommit on a pooled connection.  A failure during COMMIT may leave the row written:
-        # the retry then adds a second row with the same message_id, which consumers dedupe (at
-        # least once, never zero).  A worker keeps trying for a while, since the message it runs
-        # would otherwise be acked without its follow-up; elsewhere the send is tried twice (a
-        # connection that died in the pool) and the caller sees the error.
-        deadline = time.monotonic() + (self.worker_write_timeout_ms / 1000 if in_worker else 0)
-        pause = 0.05
-        attempt = 0
+
+    def _pause_or_raise(
+        self, attempts: _Attempts, error: BaseException, message: Message[Any], row: Row, in_worker: bool
+    ) -> float:
+        """How long to wait before the next autocommit attempt, or raise when it is over.
+
+        A failure during COMMIT may leave the row written: the retry then adds a second row with
+        the same message_id, which consumers dedupe (at least once, never zero).  A worker keeps
+        trying for ``worker_write_timeout_ms``, since the message it runs would otherwise be
+        acked without its follow-up; elsewhere the send is tried twice (a connection that died
+        in the pool) and the caller sees the error.  Shared by the sync and async paths.
+        """
+        cause = error.__cause__ if isinstance(error, OutboxWriteError) else error
+        transient = isinstance(cause, (psycopg.OperationalError, PoolTimeout))
+        if not transient or attempts.over():
+            if in_worker:
+                self._worker_gave_up(message)
+            if isinstance(error, OutboxWriteError):
+                raise error
+            raise self._write_error(row, error) from error
+        pause = attempts.pause()
+        if pause:
+            logger.warning(
+                "%s write of message %s failed (%s); retrying in %.2fs",
+                self.table,
+                message.message_id,
+                type(cause).__name__,
+                pause,
+            )
+        return pause
+
+    async def _write_async(self, message: Message[Any], row: Row, dedupe: tuple[str, int] | None) -> str:
+        """:meth:`_write` for async code: which transaction is chosen the same way; only how the
+        statement runs differs (see :mod:`dramatiq_reliable.async_sending`)."""
+        async_conn = bound_async_connection()
+        if async_conn is not None:
+            check_joinable(async_conn, self.database, actor_name=message.actor_name)
+            return await self._execute_async(async_conn, row, message, dedupe)
+        conn = bound_connection() or ambient_connection(self.database)
+        if conn is not None:
+            check_joinable(conn, self.database, actor_name=message.actor_name)
+            # A sync connection (an async actor's job connection): in a thread, so the loop
+            # shared by the worker's async actors is not blocked for the round trip.
+            return await asyncio.to_thread(self._execute, conn, row, message, dedupe)
+        if _processing.get() is not None:
+            # An async actor's send (its context carries the worker's message): a worker's send,
+            # on the worker's sync pool in a thread.  Dramatiq's loop then holds no async pool,
+            # which it could not close (it stops that loop without cancelling its tasks).
+            return await asyncio.to_thread(self._write_unbound, message, row, dedupe, True)
+        self._check_unbound(message, in_worker=False)
+        attempts = _Attempts(0)
         while True:
-            attempt += 1
             try:
-                remaining_ms = int((deadline - time.monotonic()) * 1000)
-                with self.database.autocommit(
-                    timeout_ms=max(500, remaining_ms) if remaining_ms > 0 else None
-                ) as pooled:
-                    if in_worker and self._write_held(pooled, message, row):
-                        return message.message_id
-                    return self._execute(pooled, row, message, dedupe)
+                async with self.database.async_autocommit(timeout_ms=attempts.next_timeout_ms()) as pooled:
+                    return await self._execute_async(pooled, row, message, dedupe)
             except (OutboxWriteError, PoolTimeout, psycopg.OperationalError) as error:
-                cause = error.__cause__ if isinstance(error, OutboxWriteError) else error
-                transient = isinstance(cause, (psycopg.OperationalError, PoolTimeout))
-                if not transient or (attempt >= 2 and time.monotonic() >= deadline):
-                    if in_worker:
-                        self._worker_gave_up(message)
-                    if isinstance(error, OutboxWriteError):
-                        raise
-                    raise self._write_error(row, error) from error
-                if attempt >= 2:
-                    logger.warning(
-                        "%s write of message %s failed (%s); retrying in %.2fs",
-                        self.table,
-                        message.message_id,
-                        type(cause).__name__,
-                        pause,
-                    )
-                    time.sleep(pause)
-                    pause = min(pause * 2, 2.0)
+                await asyncio.sleep(self._pause_or_raise(attempts, error, message, row, in_worker=False))
+
+    async def _execute_async(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        row: Row,
+        message: Message[Any],
+        dedupe: tuple[str, int] | None,
+    ) -> str:
+        if not self._checked_schema or (dedupe is not None and not self._checked_dedupe):
+            # Once per broker, on a sync pooled connection: the check is of the schema, not of
+            # this connection.
+            await asyncio.to_thread(self._check_schemas_pooled, dedupe is not None)
+        with self._write_errors(row):
+            if dedupe is None:
+                await conn.execute(_sql.rendered(self.insert_query, self.schema), row)
+                return message.message_id
+            key, window_ms = dedupe
+            cursor = conn.cursor(row_factory=dict_row)
+            await cursor.execute(
+                _sql.rendered(self.insert_dedupe_query, self.schema),
+                {**row, "dedupe_key": key, "window_ms": window_ms},
+            )
+            found = await cursor.fetchone()
+            assert found is not None  # INSERT ... ON CONFLICT DO UPDATE returns its row
+            return str(found["message_id"])
+
+    def _check_schemas_pooled(self, dedupe: bool) -> None:
+        with self.database.autocommit() as conn:
+            self._check_schemas(conn, dedupe)
 
     def _execute(
         self,
@@ -400,16 +543,25 @@ class RowSending:
         message: Message[Any],
         dedupe: tuple[str, int] | None,
     ) -> str:
-        if not self._checked_schema:
-            self._check_schema(conn)
-        if dedupe is not None:
-            self._check_dedupe_schema(conn)
-        try:
+        self._check_schemas(conn, dedupe is not None)
+        with self._write_errors(row):
             if dedupe is None:
                 self._insert(conn, row)
                 return message.message_id
             # One statement: the key and the row commit together, in autocommit too.
             return self._insert_deduped(conn, row, *dedupe)
+
+    def _check_schemas(self, conn: psycopg.Connection[Any], dedupe: bool) -> None:
+        if not self._checked_schema:
+            self._check_schema(conn)
+        if dedupe:
+            self._check_dedupe_schema(conn)
+
+    @contextlib.contextmanager
+    def _write_errors(self, row: Row) -> Iterator[None]:
+        """The errors of a row's statement as ours (sync and async paths)."""
+        try:
+            yield
         except psycopg.errors.UndefinedTable as error:
             self._checked_schema = False
             raise SchemaNotReady(

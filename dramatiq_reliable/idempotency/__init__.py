@@ -35,6 +35,7 @@ and the retry middleware retries the message.
 from __future__ import annotations
 
 from ..errors import ActorOptionError, IdempotencyConflict, IdempotencyKeyError, JobCommitFailed, NoCurrentJob
+from .async_job import AsyncJobConnection, job_connection_async
 from .context import Job, JobConnections, Mode, PooledJobConnections, current_job, external_key, job_connection
 from .events import (
     IdempotencyCommitFailed,
@@ -53,6 +54,7 @@ from .store import PostgresIdempotencyStore, purge_expired
 
 __all__ = [
     "ActorOptionError",
+    "AsyncJobConnection",
     "Idempotency",
     "IdempotencyCommitFailed",
     "IdempotencyConflict",
@@ -75,6 +77,7 @@ __all__ = [
     "current_job",
     "external_key",
     "job_connection",
+    "job_connection_async",
     "make_purge_actor",
     "payload_hash",
     "purge_expired",

@@ -27,7 +27,7 @@ from dramatiq.middleware import Middleware
 from dramatiq.worker import ConsumerThread
 from psycopg.rows import dict_row
 
-from .. import _sql, dedupe, schema
+from .. import _sql, schema
 from .._checks import check_ms
 from .._tcp import DEFAULT_TCP_USER_TIMEOUT_MS, bound_tcp, check_tcp_user_timeout_ms
 from ..backing import SendsTo
@@ -130,6 +130,8 @@ class OutboxBroker(SpreadsOverNodes, DeclaresQueues, RowSending, RabbitmqBroker)
     sends_to: ClassVar[SendsTo] = "outbox"
     table: ClassVar[str] = "outbox"
     required_version: ClassVar[int] = schema.OUTBOX_VERSION
+    insert_query: ClassVar[str] = "outbox_insert"
+    insert_dedupe_query: ClassVar[str] = "outbox_insert_dedupe"
 
     def __init__(
         self,
@@ -207,15 +209,17 @@ class OutboxBroker(SpreadsOverNodes, DeclaresQueues, RowSending, RabbitmqBroker)
             # messages: our own delays wait in the outbox); the source message is acked only
             # after this publish succeeds, so publishing directly is safe.
             return RabbitmqBroker.enqueue(self, message, delay=delay)
+        return super().enqueue(message, delay=delay)
+
+    def _check_message(self, message: Message[Any]) -> None:
+        """RabbitMQ 3.x quorum queues ignore a priority: refuse it rather than reorder nothing (sync and async sends)."""
         priority = message.options.get("broker_priority")
         if priority is not None and self.queue_settings.type_of(message.queue_name) == "quorum":
-            # RabbitMQ 3.x quorum queues ignore the priority: refuse rather than reorder nothing.
             raise PayloadError(
                 f"message to actor {message.actor_name!r} has broker_priority={priority!r} but queue "
                 f"{q_name(message.queue_name)!r} is a quorum queue, which has no priorities on RabbitMQ 3.x; "
                 "drop broker_priority, or give urgent work its own queue (queue_types={'urgent': 'quorum'})"
             )
-        return super().enqueue(message, delay=delay)
 
     def _row(self, message: Message[Any], canonical: str, body: bytes) -> Row:
         """A delayed message's row goes to the queue itself, due at its eta, with no eta in its body.
@@ -236,12 +240,6 @@ class OutboxBroker(SpreadsOverNodes, DeclaresQueues, RowSending, RabbitmqBroker)
         row["queue_name"] = canonical
         row["body"] = self.encode(due, warn=False)
         return row
-
-    def _insert(self, conn: psycopg.Connection[Any], row: Row) -> None:
-        conn.execute(_sql.rendered("outbox_insert", self.schema), row)
-
-    def _insert_deduped(self, conn: psycopg.Connection[Any], row: Row, key: str, window_ms: int) -> str:
-        return dedupe.insert_row(conn, _sql.rendered("outbox_insert_dedupe", self.schema), row, key, window_ms)
 
     # -- tests' helpers: join and flush ----------------------------------------------------------
 

@@ -103,6 +103,8 @@ class PostgresBroker(RowSending, Broker):
     sends_to: ClassVar[SendsTo] = "queue"
     table: ClassVar[str] = "queue"
     required_version: ClassVar[int] = schema.QUEUE_VERSION
+    insert_query: ClassVar[str] = "queue_insert"
+    insert_dedupe_query: ClassVar[str] = "queue_insert_dedupe"
 
     def __init__(
         self,
@@ -261,22 +263,6 @@ class PostgresBroker(RowSending, Broker):
         row["queue_name"] = canonical
         row["priority"] = row["priority"] or 0
         return row
-
-    def _insert(self, conn: psycopg.Connection[Any], row: Row) -> None:
-        queue.insert(
-            conn,
-            self.schema,
-            queue_name=row["queue_name"],
-            message_id=row["message_id"],
-            actor_name=row["actor_name"],
-            body=row["body"],
-            priority=row["priority"] or 0,
-            eta_ms=row["eta_ms"],
-        )
-
-    def _insert_deduped(self, conn: psycopg.Connection[Any], row: Row, key: str, window_ms: int) -> str:
-        params = {**row, "priority": row["priority"] or 0}
-        return dedupe.insert_row(conn, _sql.rendered("queue_insert_dedupe", self.schema), params, key, window_ms)
 
     def _held(self, message: Message[Any], row: Row) -> PostgresMessage | None:
         """The queue row this worker thread holds, when ``message`` is its retry."""
