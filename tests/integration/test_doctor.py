@@ -61,6 +61,19 @@ def test_a_healthy_deployment_reads_all_ok(healthy_url: str, rabbitmq_url: str, 
     assert by_check(findings)["indexes"].details["expected"] == len(_expected_indexes(schema.LATEST_VERSION)) > 20
 
 
+def test_the_indexes_expected_are_exactly_those_the_migrations_create(
+    db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    """The statements are read from the migration files: none may be missed (nor invented)."""
+    rows = db.execute(
+        "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND NOT EXISTS (SELECT FROM pg_constraint WHERE conindid = i.indexrelid)",
+        (db_schema,),
+    ).fetchall()
+    assert {name for (name,) in rows} == set(_expected_indexes(schema.LATEST_VERSION))
+
+
 def test_a_schema_behind_the_package_is_a_problem_naming_migrate(
     healthy_url: str, database_url: str, unmigrated_schema: str
 ) -> None:
@@ -75,6 +88,16 @@ def test_a_schema_behind_the_package_is_a_problem_naming_migrate(
     assert f"dramatiq-reliable migrate --schema {unmigrated_schema}" in found["schema"].fix
     # The indexes of version 10 are all there: an older schema is not "missing" later ones.
     assert found["indexes"].severity == "ok"
+
+
+def test_a_schema_newer_than_the_package_is_a_warning(
+    healthy_url: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    later = schema.Migration(schema.LATEST_VERSION + 1, "from_the_future", "")
+    db.execute(schema._record(db_schema, later))
+    finding = by_check(diagnose(healthy_url, schema_name=db_schema))["schema"]
+    assert finding.severity == "warn"
+    assert "upgrade dramatiq-reliable" in finding.fix
 
 
 def test_a_dropped_index_is_found_and_the_fix_given_recreates_it(
@@ -139,6 +162,24 @@ def test_a_delay_or_job_longer_than_consumer_timeout_is_a_problem(
     job = by_check(diagnose(healthy_url, schema_name=db_schema, longest_job_ms=1_700_000))["consumer_timeout"]
     assert job.severity == "warn"
     assert "RabbitMQ's default, assumed" in job.summary
+
+
+def test_a_transaction_open_longer_than_consumer_timeout_is_a_job_too_long(
+    healthy_url: str, database_url: str, db_schema: str
+) -> None:
+    """A transactional job is an open transaction for its whole run: the doctor sees it running."""
+    with psycopg.connect(database_url) as job:
+        job.execute("SELECT 1")  # opens the transaction and leaves it open, as a running job does
+
+        def too_long() -> Finding | None:
+            found = by_check(diagnose(healthy_url, schema_name=db_schema, consumer_timeout_ms=300))
+            finding = found["consumer_timeout"]
+            return finding if finding.severity == "fail" else None
+
+        finding = wait_for(too_long, timeout_ms=5_000, interval_ms=50, message="the open transaction was not seen")
+        assert finding.summary.startswith("longest open transaction (a transactional job)")
+        assert finding.details["longest_transaction_ms"] > 300
+        job.rollback()
 
 
 def test_a_clock_off_from_postgres_is_found(healthy_url: str, db_schema: str) -> None:
