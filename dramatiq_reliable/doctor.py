@@ -107,8 +107,10 @@ class Thresholds:
     #: (small tables are vacuumed cheaply whatever their ratio).
     bloat_ratio: float = 0.2
     bloat_min_dead_rows: int = 10_000
-    #: An index this many times larger than its table has kept pages of rows long gone.
+    #: An index this many times larger than its table has kept pages of rows long gone (a
+    #: b-tree never gives pages back); tables under ``index_bloat_min_table_bytes`` are ignored.
     index_bloat_factor: float = 4.0
+    index_bloat_min_table_bytes: int = 1_048_576
     #: Our longest statements (a relay's claim and mark of a batch, a retention batch) take
     #: seconds on a large backlog: a ``statement_timeout`` below this cuts them.
     min_statement_timeout_ms: int = 5_000
@@ -378,10 +380,10 @@ def _bloat(conn: psycopg.Connection[Any], schema_name: str, limits: Thresholds) 
         }
         if dead >= limits.bloat_min_dead_rows and ratio >= limits.bloat_ratio:
             bloated.append(f"{row['table_name']} ({dead:,} dead rows, {ratio:.0%})")
-        elif table_bytes >= 1_048_576 and index_bytes > limits.index_bloat_factor * table_bytes:
-            bloated.append(
-                f"{row['table_name']} indexes ({index_bytes // 1_048_576} MB for a {table_bytes // 1_048_576} MB table)"
-            )
+        elif (
+            table_bytes >= limits.index_bloat_min_table_bytes and index_bytes > limits.index_bloat_factor * table_bytes
+        ):
+            bloated.append(f"{row['table_name']} indexes ({_size(index_bytes)} for a {_size(table_bytes)} table)")
     details = {"tables": tables, "method": "pg_stat_user_tables dead rows; index size against table size"}
     if not bloated:
         return Finding("bloat", "ok", f"no bloat found in {len(rows)} tables", details=details)
@@ -393,6 +395,10 @@ def _bloat(conn: psycopg.Connection[Any], schema_name: str, limits: Thresholds) 
         f"transactions holding back vacuum and lower autovacuum_vacuum_scale_factor on schema {schema_name!r}'s tables",
         details,
     )
+
+
+def _size(size: int) -> str:
+    return f"{size / 1_048_576:.1f} MB" if size >= 1_048_576 else f"{size // 1024} kB"
 
 
 # --------------------------------------------------------------------------------------------

@@ -136,6 +136,28 @@ def test_dead_rows_past_the_ratio_are_bloat(healthy_url: str, db: psycopg.Connec
     assert by_check(diagnose(healthy_url, schema_name=db_schema))["bloat"].severity == "ok"  # under 10,000 rows
 
 
+def test_indexes_that_kept_the_pages_of_deleted_rows_are_bloat(
+    healthy_url: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    outbox = sql.Identifier(db_schema, "outbox")
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (message_id, queue_name, actor_name, body, published_at) "
+            "SELECT 'message-' || i, 'q', 'a', '\\x00', now() FROM generate_series(1, 20000) AS i"
+        ).format(outbox)
+    )
+    # The table's tail is deleted and vacuumed away; the b-trees keep every page they had.
+    db.execute(sql.SQL("DELETE FROM {} WHERE id > 1000").format(outbox))
+    db.execute(sql.SQL("VACUUM {}").format(outbox))
+    limits = Thresholds(index_bloat_min_table_bytes=16_384)
+    finding = by_check(diagnose(healthy_url, schema_name=db_schema, thresholds=limits))["bloat"]
+    assert finding.severity == "warn"
+    assert "outbox indexes (" in finding.summary
+    table = finding.details["tables"]["outbox"]
+    assert table["index_bytes"] > 4 * table["table_bytes"]
+    assert "REINDEX CONCURRENTLY" in finding.fix
+
+
 def test_a_due_row_nobody_publishes_means_no_relay(
     healthy_url: str, db: psycopg.Connection[Any], db_schema: str
 ) -> None:
