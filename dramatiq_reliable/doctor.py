@@ -380,9 +380,7 @@ def _bloat(conn: psycopg.Connection[Any], schema_name: str, limits: Thresholds) 
         }
         if dead >= limits.bloat_min_dead_rows and ratio >= limits.bloat_ratio:
             bloated.append(f"{row['table_name']} ({dead:,} dead rows, {ratio:.0%})")
-        elif (
-            table_bytes >= limits.index_bloat_min_table_bytes and index_bytes > limits.index_bloat_factor * table_bytes
-        ):
+        if table_bytes >= limits.index_bloat_min_table_bytes and index_bytes > limits.index_bloat_factor * table_bytes:
             bloated.append(f"{row['table_name']} indexes ({_size(index_bytes)} for a {_size(table_bytes)} table)")
     details = {"tables": tables, "method": "pg_stat_user_tables dead rows; index size against table size"}
     if not bloated:
@@ -417,7 +415,7 @@ def _relay(conn: psycopg.Connection[Any], schema_name: str, version: int, limits
         return Finding(
             "relay",
             "fail",
-            f"no relay is publishing: {int(row['due']):,} outbox rows are due, the oldest for {format_age(age_s)} "
+            f"no relay is publishing: {_rows(int(row['due']))} due, the oldest for {format_age(age_s)} "
             f"(a live relay takes them within seconds)",
             "start 'dramatiq-reliable relay' (or the WorkerRelay middleware) with this schema, and check it "
             "reaches RabbitMQ and Postgres (its log says which is down)",
@@ -425,6 +423,10 @@ def _relay(conn: psycopg.Connection[Any], schema_name: str, version: int, limits
         )
     summary = "the relay keeps up" if row["due"] else "no outbox row waits for the relay"
     return Finding("relay", "ok", summary, details=details)
+
+
+def _rows(count: int) -> str:
+    return f"{count:,} outbox row{'' if count == 1 else 's'}"
 
 
 def _rabbitmq(rabbitmq_url: str | None) -> list[Finding]:

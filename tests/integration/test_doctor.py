@@ -164,7 +164,7 @@ def test_a_due_row_nobody_publishes_means_no_relay(
     _outbox_row(db, db_schema, created_at="now() - interval '10 minutes'", available_at="now() - interval '10 minutes'")
     finding = by_check(diagnose(healthy_url, schema_name=db_schema))["relay"]
     assert finding.severity == "fail"
-    assert "no relay is publishing: 1 outbox rows are due, the oldest for 10m" in finding.summary
+    assert "no relay is publishing: 1 outbox row due, the oldest for 10m" in finding.summary
     assert "dramatiq-reliable relay" in finding.fix
     # A relay that keeps up: the same row due a second ago is no finding.
     relaxed = Thresholds(relay_stale_ms=3_600_000)
