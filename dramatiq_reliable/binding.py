@@ -53,6 +53,21 @@ _bound: contextvars.ContextVar[AnyConnection | None] = contextvars.ContextVar(
     "dramatiq_reliable_connection", default=None
 )
 
+#: Why what was bound can no longer be joined (``None``: it can): set with the binding of a
+#: SQLAlchemy session or connection, whose psycopg connection goes back to SQLAlchemy's pool
+#: when the session's transaction ends, while the binding may still be in force.
+Guard = Callable[[], "str | None"]
+_guard: contextvars.ContextVar[Guard | None] = contextvars.ContextVar("dramatiq_reliable_guard", default=None)
+
+
+def _guard_of(target: object) -> Guard | None:
+    if type(target).__module__.startswith("sqlalchemy."):
+        from .sqlalchemy import connections as _sa
+
+        return _sa.binding_guard(target)
+    return None
+
+
 _PSYCOPG2 = (
     "psycopg2 connections cannot be bound: dramatiq-reliable writes with psycopg 3; "
     "install psycopg ('pip install psycopg[binary]'): Django >= 4.2 uses it on its own, and SQLAlchemy "
@@ -76,7 +91,7 @@ def _unwrap(target: object) -> AnyConnection:
         return _check_open(target)
     module = type(target).__module__
     if module.startswith("sqlalchemy."):
-        from . import sqlalchemy as _sa
+        from .sqlalchemy import connections as _sa
 
         return _check_open(_sa.driver_connection(target))
     if module.startswith("psycopg2"):
@@ -105,31 +120,36 @@ class bind:  # used as a function: with bind(conn): ...
 
     def __init__(self, target: object) -> None:
         self._target = target
-        self._tokens: list[contextvars.Token[AnyConnection | None]] = []
+        self._tokens: list[tuple[contextvars.Token[AnyConnection | None], contextvars.Token[Guard | None]]] = []
 
     def __enter__(self) -> Any:
         conn = _unwrap(self._target)
-        self._tokens.append(_bound.set(conn))
+        self._tokens.append((_bound.set(conn), _guard.set(_guard_of(self._target))))
         return conn
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
-        _bound.reset(self._tokens.pop())
+        self._reset()
+
+    def _reset(self) -> None:
+        bound, guard = self._tokens.pop()
+        _guard.reset(guard)
+        _bound.reset(bound)
 
     async def __aenter__(self) -> Any:
         module = type(self._target).__module__
         if module.startswith("sqlalchemy."):
-            from . import sqlalchemy as _sa
+            from .sqlalchemy import connections as _sa
 
             conn = _check_open(await _sa.async_driver_connection(self._target))
         else:
             conn = _unwrap(self._target)
-        self._tokens.append(_bound.set(conn))
+        self._tokens.append((_bound.set(conn), _guard.set(_guard_of(self._target))))
         return conn
 
     async def __aexit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
-        _bound.reset(self._tokens.pop())
+        self._reset()
 
 
 def bound_connection() -> psycopg.Connection[Any] | None:
@@ -167,6 +187,10 @@ def check_joinable(conn: AnyConnection, database: Database | None, *, actor_name
     (``database``; ``None`` skips that check) would leave the row where no relay or worker looks.
     """
     where = f"send() of actor {actor_name!r}"
+    guard = _guard.get()
+    reason = guard() if guard is not None and conn is _bound.get() else None
+    if reason is not None:
+        raise NotBound(f"{where} {reason}")
     if conn.closed or conn.broken:
         raise NotBound(f"{where} on a bound connection that is closed; bind an open connection")
     status = conn.info.transaction_status

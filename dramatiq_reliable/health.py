@@ -184,6 +184,10 @@ class Health:
     queue_sources: frozenset[str] = frozenset()
     #: The rate-limited keys limited now (paused by a 429, slowed, or with jobs waiting).
     rate_limits: tuple[KeyState, ...] = ()
+    #: Seconds since a relay last published a row (the newest ``published_at`` kept under
+    #: ``on_published="mark"``): the relay's heartbeat while messages flow.  ``None`` when no
+    #: published row is kept (``on_published="delete"``, nothing published within retention).
+    relay_last_publish_age_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -213,6 +217,7 @@ class Health:
             "queues": [dataclasses.asdict(item) for item in self.queues],
             "totals": self.totals(),
             "rate_limits": [item.as_dict() for item in self.rate_limits],
+            "relay_last_publish_age_s": self.relay_last_publish_age_s,
         }
 
     def totals(self) -> dict[str, Any]:
@@ -440,6 +445,7 @@ def collect_health(
         rabbitmq_skipped=rabbitmq_skipped,
         queue_sources=frozenset(sources),
         rate_limits=facts.rate_limits,
+        relay_last_publish_age_s=facts.relay_last_publish_age_s,
     )
 
 
@@ -535,6 +541,7 @@ class _PostgresFacts:
     outbox_used: bool | None = None
     long_jobs_table: bool = False
     rate_limits: tuple[KeyState, ...] = ()
+    relay_last_publish_age_s: float | None = None
 
 
 def _read_postgres(
@@ -595,12 +602,15 @@ def _read_postgres(
                 values["long_jobs_expired"] = int(row["expired"])
         limited = _schema.table_exists(conn, schema, "rate_limit_buckets")
         rate_limits = tuple(limited_keys(conn, schema)) if limited else ()
+        published = rows.execute(_sql.query("status_relay_published", schema)).fetchone()
+        published_age = None if published is None or published["age_s"] is None else round(published["age_s"], 3)
     return _PostgresFacts(
         dead_letters_table=exists,
         queue_table=queue_table,
         outbox_used=used,
         long_jobs_table=long_jobs,
         rate_limits=rate_limits,
+        relay_last_publish_age_s=published_age,
     )
 
 
@@ -675,6 +685,7 @@ class HealthMonitor:
       queues: called at each refresh for the queues to report (e.g. a broker's declared queues).
       ttl_ms: how long a reading is reused.
       statement_timeout_ms: a bound on each query, so a scrape never waits on a locked table.
+      retries_waiting: also count the retries not yet due (scans the outbox's delayed rows).
     """
 
     def __init__(
@@ -686,8 +697,10 @@ class HealthMonitor:
         queues: Callable[[], Iterable[str]] = tuple,
         ttl_ms: int = 10_000,
         statement_timeout_ms: int = 2000,
+        retries_waiting: bool = False,
     ) -> None:
         check_ms("ttl_ms", ttl_ms, minimum=0, fix="e.g. ttl_ms=10000")
+        self.retries_waiting = check_bool("retries_waiting", retries_waiting)
         check_ms("statement_timeout_ms", statement_timeout_ms, minimum=1, fix="e.g. statement_timeout_ms=2000")
         self.database = database
         self.schema = _sql.validate_schema(schema)
@@ -713,6 +726,7 @@ class HealthMonitor:
                     rabbitmq=self.rabbitmq,
                     queues=list(self.queues()),
                     discover_queues=False,
+                    retries_waiting=self.retries_waiting,
                     statement_timeout_ms=self.statement_timeout_ms,
                 )
             except Exception as error:

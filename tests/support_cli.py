@@ -173,9 +173,9 @@ _SKIPPED = {"help", "verbose", "version"}
 
 
 LEAVES = _LEAVES
-# `web` serves the page until interrupted, so command_lines() never draws it either (its
-# refusals are tested in tests/unit/test_web_cli.py).
-_DRAWN = [(path, parser) for path, parser in _LEAVES if path[:1] != ("web",)]
+# `web` and `metrics` serve until interrupted, so command_lines() never draws them either (their
+# refusals are tested in tests/unit/test_web_cli.py and tests/unit/test_prometheus_unit.py).
+_DRAWN = [(path, parser) for path, parser in _LEAVES if path[:1] not in (("web",), ("metrics",))]
 
 
 @st.composite

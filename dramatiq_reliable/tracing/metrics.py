@@ -21,6 +21,7 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 
 from .._sql import DEFAULT_SCHEMA
+from ..autoscale import Autoscale, DrainRate, desired_by_queue
 from ..backing import postgres_backed
 from ..health import Health, HealthMonitor, QueueHealth
 from ..queue_depths import QueueDepths
@@ -112,6 +113,9 @@ class HealthGauges:
         self._cache_ms = cache_ms
         self._monitor: HealthMonitor | None = None
         self._lock = threading.Lock()
+        # The default knobs: the Prometheus endpoint ('dramatiq-reliable metrics') takes tuned ones.
+        self._autoscale = Autoscale()
+        self._drain = DrainRate(window_s=self._autoscale.window_s)
         meter.create_observable_gauge(
             names.METRIC_OUTBOX_BACKLOG,
             callbacks=[self._observe_backlog],
@@ -147,6 +151,25 @@ class HealthGauges:
             callbacks=[self._observe_rate_paused],
             unit="s",
             description="How long a rate-limited key stays paused by a provider's 429, by key (0: not paused).",
+        )
+        meter.create_observable_gauge(
+            names.METRIC_RELAY_LAST_PUBLISH_AGE,
+            callbacks=[self._observe_relay],
+            unit="s",
+            description="Seconds since a relay last published an outbox row (its heartbeat while messages flow).",
+        )
+        meter.create_observable_gauge(
+            names.METRIC_QUEUE_OLDEST_AGE,
+            callbacks=[self._observe_queue_age],
+            unit="s",
+            description="How long the oldest ready message of a Postgres queue has waited, by queue.",
+        )
+        meter.create_observable_gauge(
+            names.METRIC_QUEUE_DESIRED_WORKERS,
+            callbacks=[self._observe_desired],
+            unit="{process}",
+            description="Worker processes that would clear the queue within the target wait, by queue "
+            "(dramatiq_reliable.autoscale, default knobs).",
         )
         if queue_depth:
             meter.create_observable_gauge(
@@ -225,6 +248,22 @@ class HealthGauges:
 
     def _observe_dead_letters(self, options: CallbackOptions) -> Iterable[Observation]:
         return self._observe_postgres(lambda item: item.dead_letters)
+
+    def _observe_relay(self, options: CallbackOptions) -> Iterable[Observation]:
+        health = self._health()
+        if health is None or health.relay_last_publish_age_s is None:
+            return []
+        return [Observation(health.relay_last_publish_age_s)]
+
+    def _observe_queue_age(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._observe_postgres(lambda item: item.queue_oldest_age_s)
+
+    def _observe_desired(self, options: CallbackOptions) -> Iterable[Observation]:
+        health = self._health()
+        if health is None:
+            return []
+        desired = desired_by_queue(health, self._autoscale, self._drain)
+        return [Observation(value, {names.MESSAGING_DESTINATION_NAME: queue}) for queue, value in desired.items()]
 
     def _observe_rate_waiting(self, options: CallbackOptions) -> Iterable[Observation]:
         health = self._health()

@@ -47,8 +47,11 @@ __all__ = [
     "METRIC_OUTBOX_SCHEDULED",
     "METRIC_PROCESS_DURATION",
     "METRIC_QUEUE_DEPTH",
+    "METRIC_QUEUE_DESIRED_WORKERS",
+    "METRIC_QUEUE_OLDEST_AGE",
     "METRIC_RATE_LIMIT_PAUSED",
     "METRIC_RATE_LIMIT_WAITING",
+    "METRIC_RELAY_LAST_PUBLISH_AGE",
     "METRIC_RETRIES",
     "METRIC_SINGLETON_HELD",
     "OPERATION_CREATE",
@@ -137,8 +140,14 @@ METRIC_OUTBOX_OLDEST_AGE: Final = "dramatiq_reliable.outbox.oldest_age"
 METRIC_OUTBOX_SCHEDULED: Final = "dramatiq_reliable.outbox.scheduled"
 METRIC_DEAD_LETTERS_PENDING: Final = "dramatiq_reliable.dead_letters.pending"
 METRIC_QUEUE_DEPTH: Final = "dramatiq_reliable.queue.depth"
+#: worker processes that would clear a queue's backlog within the target wait (dramatiq_reliable.autoscale).
+METRIC_QUEUE_DESIRED_WORKERS: Final = "dramatiq_reliable.queue.desired_workers"
+#: how long a Postgres queue's oldest ready message has waited, by queue.
+METRIC_QUEUE_OLDEST_AGE: Final = "dramatiq_reliable.queue.oldest_age"
 METRIC_RATE_LIMIT_WAITING: Final = "dramatiq_reliable.rate_limit.waiting"
 METRIC_RATE_LIMIT_PAUSED: Final = "dramatiq_reliable.rate_limit.paused"
+#: seconds since a relay last published an outbox row (its heartbeat while messages flow).
+METRIC_RELAY_LAST_PUBLISH_AGE: Final = "dramatiq_reliable.relay.last_publish_age"
 
 # Span events.  The retry ones are ClassifiedRetries' event names, written by Tracing itself
 # when Dramatiq's own Retries decided; the others are events of the package it reacts to.
