@@ -25,7 +25,21 @@ import psycopg
 
 from .._util import first_line, rabbitmq_reason, redact
 from ..errors import BrokerUnavailable, ConfigurationError, DatabaseUnavailable, ReliableError, SchemaNotReady
-from . import dead_letters, dev, idempotency, jobs, metrics, migrate, outbox, relay, scheduler, schedules, status, web
+from . import (
+    dead_letters,
+    dev,
+    doctor,
+    idempotency,
+    jobs,
+    metrics,
+    migrate,
+    outbox,
+    relay,
+    scheduler,
+    schedules,
+    status,
+    web,
+)
 from .common import EXIT_CODE_HELP, PROG, ExitCode, Parser, UsageError, common_parents, duration_ms, print_error
 
 __all__ = ["ExitCode", "build_parser", "common_parents", "duration_ms", "main"]
@@ -75,6 +89,7 @@ def build_parser() -> Parser:
     jobs.register(commands, [common])
     schedules.register(commands, [common])
     status.register(commands, [common, rabbit])
+    doctor.register(commands, [common, rabbit])
     metrics.register(commands, [common, rabbit])
     scheduler.register(commands, [common])
     web.register(commands, [common, rabbit])
