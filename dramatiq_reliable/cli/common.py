@@ -78,7 +78,7 @@ EXIT_CODE_HELP = {
     ExitCode.USAGE: "a wrong argument, option, URL or environment variable",
     ExitCode.UNAVAILABLE: "Postgres or RabbitMQ cannot be reached",
     ExitCode.SCHEMA: "the tables are missing or behind: run 'dramatiq-reliable migrate'",
-    ExitCode.CHECK_FAILED: "status --check: a threshold was crossed",
+    ExitCode.CHECK_FAILED: "status --check: a threshold was crossed; doctor: a problem was found",
     ExitCode.ABORTED: "a confirmation was declined, or Ctrl-C",
     ExitCode.NOT_FOUND: "an id asked for does not exist",
     ExitCode.REFUSED: "some rows were left alone (too old, already handled); the others were handled",
