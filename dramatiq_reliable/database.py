@@ -107,7 +107,22 @@ class Database:
             open=False,
             name="dramatiq-reliable",
             timeout=self._timeout_s,
+            configure=self._configure,
         )
+
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        """Each new pooled connection: no prepared statements behind a transaction pooler.
+
+        psycopg prepares a statement after a few runs, on the server process of that moment;
+        behind PgBouncer in transaction mode (before 1.21) the next transaction may run on
+        another process, where the statement does not exist.  Prepared statements halve a
+        short statement's server time on a local socket, so they are dropped only there:
+        detected once per Database (:func:`~dramatiq_reliable.pooler.behind_transaction_pooler`).
+        """
+        from .pooler import behind_transaction_pooler
+
+        if behind_transaction_pooler(self):
+            conn.prepare_threshold = None
 
     @classmethod
     def of(cls, value: object, *, argument: str = "database", max_size: int = 10, timeout_ms: int = 10_000) -> Database:
@@ -214,7 +229,11 @@ class Database:
                 opened: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
 
                 async def track(conn: psycopg.AsyncConnection[Any]) -> None:
+                    from .pooler import behind_transaction_pooler
+
                     opened.add(conn)
+                    if await asyncio.to_thread(behind_transaction_pooler, self):
+                        conn.prepare_threshold = None  # as in _configure
 
                 options = self.pool.kwargs if isinstance(self.pool.kwargs, dict) else {}
                 entry = self._async_pools[loop] = (
