@@ -3,7 +3,8 @@
 Behind a transaction pooler each transaction may run on another server process, so a
 ``LISTEN`` registered by one statement is gone (or heard by someone else) by the next.
 Everything else of ours is transaction-scoped already (``SET LOCAL``, ``pg_advisory_xact_lock``,
-leases in rows, no prepared statements: see :data:`~dramatiq_reliable.database.CONNECTION_DEFAULTS`).
+leases in rows, and no prepared statements behind a pooler: see
+:meth:`~dramatiq_reliable.Database.transaction_pooled`).
 So the parts that wake on ``LISTEN`` (the relay, ``PostgresBroker``'s consumers) take a
 ``listen_database=`` (a direct URL) for that one connection, and without it find out
 themselves that they sit behind a pooler and poll instead: detected once per
@@ -13,8 +14,6 @@ themselves that they sit behind a pooler and poll instead: detected once per
 from __future__ import annotations
 
 import logging
-import threading
-import weakref
 from typing import Any
 
 import psycopg
@@ -29,42 +28,10 @@ __all__ = ["behind_transaction_pooler", "listen_target"]
 
 logger = logging.getLogger("dramatiq_reliable.pooler")
 
-_lock = threading.Lock()
-_detected: weakref.WeakKeyDictionary[Database, bool] = weakref.WeakKeyDictionary()
-_ROUNDS = 3
-
 
 def behind_transaction_pooler(database: Database) -> bool:
-    """Whether ``database``'s connections go through a pooler in transaction mode (cached).
-
-    Two connections: while the second holds a transaction (and so its server process), the
-    first's next statement must run on another process if the pooler hands processes out per
-    transaction; Postgres itself, or a session pooler, keeps one process per connection.
-    Three rounds, since the pooler may give the first connection the same idle process twice.
-    """
-    with _lock:
-        known = _detected.get(database)
-    if known is not None:
-        return known
-    found = False
-    with database.connect(autocommit=True) as first, database.connect(autocommit=True) as second:
-        for _ in range(_ROUNDS):
-            before = _backend(first)
-            with second.transaction():
-                held = _backend(second)
-                after = _backend(first)
-            if before != after or before == held:
-                found = True
-                break
-    with _lock:
-        _detected[database] = found
-    return found
-
-
-def _backend(conn: psycopg.Connection[Any]) -> int:
-    row = conn.cursor(row_factory=dict_row).execute(_sql.query("doctor_backend", _sql.DEFAULT_SCHEMA)).fetchone()
-    assert row is not None
-    return int(row["backend_pid"])
+    """Whether ``database``'s connections go through a pooler in transaction mode (detected once)."""
+    return database.transaction_pooled()
 
 
 def _server(conn: psycopg.Connection[Any]) -> tuple[str, int | None]:
