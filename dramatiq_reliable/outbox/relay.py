@@ -201,7 +201,7 @@ class Relay:
         max_batch_bytes: int = RelayOptions.max_batch_bytes,
         max_attempts: int | None = RelayOptions.max_attempts,
         statement_timeout_ms: int = RelayOptions.statement_timeout_ms,
-        listen_database: DatabaseLike | None = None,
+        listen_database: DatabaseLike | None = RelayOptions.listen_database,
     ) -> None:
         import pika
 
@@ -271,7 +271,7 @@ class Relay:
         max_batch_bytes: int = RelayOptions.max_batch_bytes,
         max_attempts: int | None = RelayOptions.max_attempts,
         statement_timeout_ms: int = RelayOptions.statement_timeout_ms,
-        listen_database: DatabaseLike | None = None,
+        listen_database: DatabaseLike | None = RelayOptions.listen_database,
     ) -> Relay:
         """A relay that shares ``broker``'s RabbitMQ parameters, pool, schema and queue settings.
 
@@ -832,7 +832,7 @@ class WorkerRelay(Middleware):
         max_batch_bytes: int = RelayOptions.max_batch_bytes,
         max_attempts: int | None = RelayOptions.max_attempts,
         statement_timeout_ms: int = RelayOptions.statement_timeout_ms,
-        listen_database: DatabaseLike | None = None,
+        listen_database: DatabaseLike | None = RelayOptions.listen_database,
     ) -> None:
         self.options = RelayOptions(
             batch_size=batch_size,
