@@ -249,7 +249,11 @@ def database_url(request: pytest.FixtureRequest) -> str:
     service = SERVICES["database_url"]
     if not service.check():
         _unavailable(service)
-    if getattr(request, "param", "direct") == "pgbouncer":
+    # THROUGH_PGBOUNCER=1 sends every test through the pooler (an opt-in sweep, not run in CI).
+    if (
+        getattr(request, "param", "pgbouncer" if os.environ.get("THROUGH_PGBOUNCER") == "1" else "direct")
+        == "pgbouncer"
+    ):
         return str(request.getfixturevalue("pgbouncer_url"))
     return service.url
 
