@@ -116,7 +116,11 @@ class Batch:
         self.if_child_dies: IfChildDies = check_choice(
             "if_child_dies", if_child_dies, ("fail", "continue"), fix="'fail' fails the batch, 'continue' counts it"
         )
-        self.id = str(uuid.uuid4()) if id is None else check_text("id", id, max_chars=200, fix="pass a short printable id, or none for a UUID")
+        self.id = (
+            str(uuid.uuid4())
+            if id is None
+            else check_text("id", id, max_chars=200, fix="pass a short printable id, or none for a UUID")
+        )
         self._database, self._schema, self._resend = _target(self.broker, "Batch")
         #: Connections whose current transaction holds this batch's row (checked by identity).
         self._created: set[int] = set()
@@ -244,7 +248,9 @@ class Batches(Middleware):
         if BATCH_OPTION in message.options:
             self._finish(broker, message, dead=True, conn=None)
 
-    def _finish(self, broker: Broker, message: MessageProxy, *, dead: bool, conn: psycopg.Connection[Any] | None) -> str:
+    def _finish(
+        self, broker: Broker, message: MessageProxy, *, dead: bool, conn: psycopg.Connection[Any] | None
+    ) -> str:
         database, schema, resend = self._target_of(broker)
         params = {"batch_id": message.options[BATCH_OPTION], "message_id": message.message_id, "dead": dead, **resend}
         query = _sql.rendered("batch_finish", schema)
@@ -261,7 +267,11 @@ class Batches(Middleware):
 
     def before_worker_boot(self, broker: Broker, worker: Any) -> None:
         names = [type(m).__name__ for m in broker.middleware]
-        if "Idempotency" in names and self in broker.middleware and names.index("Idempotency") > broker.middleware.index(self):
+        if (
+            "Idempotency" in names
+            and self in broker.middleware
+            and names.index("Idempotency") > broker.middleware.index(self)
+        ):
             logger.warning(
                 "Batches comes before Idempotency in the middleware list, so children are counted after their job "
                 "commits; add Batches after Idempotency"

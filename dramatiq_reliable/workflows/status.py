@@ -10,9 +10,8 @@ import psycopg
 from psycopg.rows import dict_row
 
 from .. import _sql
-from ..database import DatabaseLike
+from ..database import Database, DatabaseLike
 from ..errors import JobNotFound
-from ..jobs.lookup import _connected as connected
 from ..schema import BATCH_VERSION, ensure_ready
 
 __all__ = ["BatchStatus", "batch_status"]
@@ -66,9 +65,16 @@ def batch_status(
     schema = _sql.validate_schema(schema)
     if not isinstance(id, str) or not id or "\x00" in id:
         raise JobNotFound(f"batch id {id!r} is not a batch id; pass the id of Batch(...).id")
-    with connected(database) as conn:
-        ensure_ready(conn, schema=schema, required=BATCH_VERSION, feature="batches")
-        row = conn.cursor(row_factory=dict_row).execute(_sql.query("batch_status", schema), {"id": id}).fetchone()
+    if isinstance(database, psycopg.Connection):
+        row = _read(database, schema, id)
+    else:
+        db = Database.of(database, max_size=1)
+        try:
+            with db.autocommit() as conn:
+                row = _read(conn, schema, id)
+        finally:
+            if db is not database:
+                db.close()
     if row is None:
         raise JobNotFound(
             f"no batch {id!r} in schema {schema!r}; check the id (Batch.id), and that the transaction that created "
@@ -88,3 +94,8 @@ def batch_status(
         fired_at=row["fired_at"],
         outcome=row["outcome"],
     )
+
+
+def _read(conn: psycopg.Connection[Any], schema: str, id: str) -> dict[str, Any] | None:
+    ensure_ready(conn, schema=schema, required=BATCH_VERSION, feature="batches")
+    return conn.cursor(row_factory=dict_row).execute(_sql.query("batch_status", schema), {"id": id}).fetchone()

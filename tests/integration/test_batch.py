@@ -14,11 +14,18 @@ import pytest
 from dramatiq.middleware import Callbacks
 from psycopg import sql
 
-from dramatiq_reliable import ConfigurationError, DeadLetters, Idempotency, NotBound, OutboxBroker, PostgresBroker
-from dramatiq_reliable import WorkerRelay
+from dramatiq_reliable import (
+    ConfigurationError,
+    DeadLetters,
+    Idempotency,
+    NotBound,
+    OutboxBroker,
+    PostgresBroker,
+    WorkerRelay,
+)
 from dramatiq_reliable.cli import main
-from dramatiq_reliable.workflows import BATCH_OPTION, Batch, Batches, batch_status
 from dramatiq_reliable.testing import wait_for
+from dramatiq_reliable.workflows import BATCH_OPTION, Batch, Batches, batch_status
 
 pytestmark = pytest.mark.integration
 
@@ -111,7 +118,9 @@ def test_a_dead_child_fails_the_batch_or_counts_as_finished_per_policy(
     def after(what: str) -> None:
         ran.append(what)
 
-    failing = Batch(callback=after.message("fail:callback"), on_failure=after.message("fail:on_failure"), broker=batched)
+    failing = Batch(
+        callback=after.message("fail:callback"), on_failure=after.message("fail:on_failure"), broker=batched
+    )
     going_on = Batch(callback=after.message("continue:callback"), if_child_dies="continue", broker=batched)
     with batched.transaction():
         for batch in (failing, going_on):
