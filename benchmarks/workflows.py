@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
-    p99 = waits[min(len(waits) - 1, int(round(0.99 * (len(waits) - 1))))]
+    p99 = waits[min(len(waits) - 1, round(0.99 * (len(waits) - 1)))]
     summary = {
         "benchmark": "workflows",
         "n": args.n,
