@@ -15,7 +15,7 @@ transaction (with ``Idempotency`` in transactional mode, the transaction that co
 actor's writes and its key), and the child that finishes last writes the callback as a row of the
 outbox or queue table in that same transaction: a crash before the commit loses neither the
 count nor the callback, and a redelivered child finds its row counted already and does nothing.
-See ``sql/migrations/0015_batches.sql`` for how 32 counter shards keep 8 threads off one hot
+See ``sql/migrations/0015_batches.sql`` for how 128 counter shards keep 8 threads off one hot
 row while the last child still sees every other child's commit.
 
 **Dying children.**  ``if_child_dies="fail"`` (the default): the batch finishes as ``failed``

@@ -1,7 +1,7 @@
 -- Batches (workflows/batch.py): children sent in the sender's transaction, a callback enqueued
 -- exactly once in the transaction of the child that finishes last.
 --
--- No hot row: a child counts itself on its own row (batch_children) and on one of 32 counter
+-- No hot row: a child counts itself on its own row (batch_children) and on one of 128 counter
 -- shards (batch_shards, picked by a hash of its message id), so 8 worker threads rarely wait for
 -- each other.  Only a child that brings its shard to zero (and the seal) locks the batch row and
 -- looks at every shard: whoever takes that lock last sees every other shard's zero committed
@@ -36,7 +36,7 @@ CREATE TABLE {schema}.batch_shards (
     pending   bigint   NOT NULL DEFAULT 0,
     dead      bigint   NOT NULL DEFAULT 0,
     PRIMARY KEY (batch_id, shard)
-);
+) WITH (fillfactor = 50);
 
 CREATE TABLE {schema}.batch_children (
     batch_id     text        NOT NULL REFERENCES {schema}.batches (id) ON DELETE CASCADE,
@@ -47,7 +47,7 @@ CREATE TABLE {schema}.batch_children (
     finished_at  timestamptz,
     PRIMARY KEY (batch_id, message_id),
     CONSTRAINT batch_children_state CHECK (state IN ('pending', 'done', 'dead'))
-);
+) WITH (fillfactor = 70);  -- room on the page: a child's one update stays HOT (no index write)
 
 -- Add one child, in the sender's transaction: 'added', 'duplicate' (already a child),
 -- 'sealed' or 'unknown' (no such batch visible here: its transaction rolled back or is another
@@ -57,7 +57,7 @@ CREATE FUNCTION {schema}.batch_add(p_batch_id text, p_message_id text)
 RETURNS text LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
 DECLARE
     was_sealed timestamptz;
-    s smallint := (hashtext(p_message_id) & 31)::smallint;
+    s smallint := (hashtext(p_message_id) & 127)::smallint;
 BEGIN
     SELECT b.sealed_at INTO was_sealed FROM batches AS b WHERE b.id = p_batch_id FOR KEY SHARE;
     IF NOT FOUND THEN
