@@ -63,9 +63,13 @@ from .scheduler import Scheduler, ScheduleRuns, WorkerScheduler, schedule
 from .schema import migrate, migration_sql
 from .singleton import Singleton, current_lease
 from .tracing import Tracing
+from .workflows import Batch, Batches, BatchStatus, batch_status
 
 __all__ = [
     "ActorOptionError",
+    "Batch",
+    "BatchStatus",
+    "Batches",
     "BrokerUnavailable",
     "CancelResult",
     "Cancellation",
@@ -119,6 +123,7 @@ __all__ = [
     "Unrecoverable",
     "WorkerRelay",
     "WorkerScheduler",
+    "batch_status",
     "bind",
     "build_middleware",
     "cancel_job",

@@ -27,6 +27,7 @@ from . import _sql
 from .errors import SchemaNotReady
 
 __all__ = [
+    "BATCH_VERSION",
     "CANCEL_VERSION",
     "DEAD_LETTERS_VERSION",
     "DEDUPE_VERSION",
@@ -70,6 +71,8 @@ CANCEL_VERSION = 12
 RATE_LIMITS_VERSION = 13
 # Order per key and concurrency per key (flow/order.py, flow/concurrency.py): created by 14.
 ORDER_CONCURRENCY_VERSION = 14
+# Batches and their completion callback (workflows/batch.py): created by 15.
+BATCH_VERSION = 15
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 

@@ -26,6 +26,7 @@ import psycopg
 from .._util import first_line, rabbitmq_reason, redact
 from ..errors import BrokerUnavailable, ConfigurationError, DatabaseUnavailable, ReliableError, SchemaNotReady
 from . import (
+    batches,
     dead_letters,
     dev,
     doctor,
@@ -87,6 +88,7 @@ def build_parser() -> Parser:
     idempotency.register(commands, [common])
     dead_letters.register(commands, [common])
     jobs.register(commands, [common])
+    batches.register(commands, [common])
     schedules.register(commands, [common])
     status.register(commands, [common, rabbit])
     doctor.register(commands, [common, rabbit])

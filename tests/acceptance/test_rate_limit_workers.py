@@ -116,14 +116,17 @@ def test_a_429_pauses_the_key_for_every_worker_until_retry_after(
     )
     failed_at = db.execute(calls).fetchall()[0][2]
     assert 1.9 <= paused_until - failed_at <= 3.0  # Retry-After: 2 seconds, from the failure
-    _send(sender, queue, range(20))
+    _send(sender, queue, range(40))
     rows = wait_for(
-        lambda: (found := db.execute(calls).fetchall()) and len(found) >= 21 and found,
+        lambda: (found := db.execute(calls).fetchall()) and len(found) >= 41 and found,
         timeout_ms=30_000,
         message="the jobs sent during the pause did not all run after it",
     )
     later = rows[1:]
-    assert sorted(row[0] for row in later) == list(range(20))
+    assert sorted(row[0] for row in later) == list(range(40))
     # No process called the provider before the time it asked for.
     assert min(row[2] for row in later) >= paused_until - 0.005
-    assert {row[1] for row in later} == {p.pid for p in processes}
+    # ... and the pause was fleet-wide: the process that did not see the 429 honoured it too.
+    # (Which process claims which job is the scheduler's; 40 jobs make one taking all unlikely.)
+    assert {row[1] for row in later} <= {p.pid for p in processes}
+    assert {row[1] for row in later} - {rows[0][1]}, "only the process that saw the 429 ran jobs after it"

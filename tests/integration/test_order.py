@@ -235,6 +235,33 @@ def test_status_names_the_keys_that_wait_and_what_frees_a_dead_head(
     assert (row["key"], row["waiting"], row["head_state"], row["head_message_id"]) == ("7", 2, "dead", first.message_id)
 
 
+def test_the_flow_control_page_shows_a_parked_key_and_links_its_dead_head(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any]
+) -> None:
+    from starlette.testclient import TestClient
+
+    from dramatiq_reliable.web import create_app
+
+    app = create_app(database_url, schema=db_schema)
+    with TestClient(app, client=("127.0.0.1", 50000), base_url="http://localhost") as client:
+        assert "No ordered job waits now." in client.get("/rate-limits").text
+        broker = PostgresBroker(database=database_url, schema=db_schema)
+        broker.add_middleware(OrderedKeys())
+        try:
+            sync = dramatiq.actor(lambda n: None, actor_name="sync", queue_name="ordered", broker=broker, order_key=str)
+            first = sync.send(7)
+            sync.send(7)
+        finally:
+            broker.close()
+        jobs = sql.Identifier(db_schema, "order_jobs")
+        db.execute(sql.SQL("UPDATE {} SET state = 'dead' WHERE message_id = %s").format(jobs), (first.message_id,))
+        page = client.get("/rate-limits")
+    assert page.status_code == 200
+    assert 'data-testid="order-key-row" data-key="7"' in page.text
+    assert f"/jobs/show?id={first.message_id}" in page.text, "the dead head links to its job page"
+    assert "No job is parked on a full key now." in page.text
+
+
 def test_a_head_whose_worker_died_before_its_release_is_sent_again_once_its_lease_lapses(
     database_url: str, db_schema: str, db: psycopg.Connection[Any]
 ) -> None:
