@@ -20,8 +20,10 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, Union
 
 import psycopg
+from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
+from . import _sql
 from ._checks import check_int, check_ms
 from .errors import ConfigurationError
 
@@ -93,6 +95,7 @@ class Database:
         self._lock = threading.Lock()
         self._opened = not self._owned
         self._identity: tuple[str | None, int | None] | None = None
+        self._pooled: bool | None = None  # behind a transaction pooler: transaction_pooled()
         # per event loop: its pool, and every connection that pool opened, so close() can end
         # those of a loop already closed (whose pool can no longer run its own close)
         self._async_pools: dict[
@@ -107,7 +110,42 @@ class Database:
             open=False,
             name="dramatiq-reliable",
             timeout=self._timeout_s,
+            configure=self._configure,
         )
+
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        """Each new pooled connection: no prepared statements behind a transaction pooler.
+
+        psycopg prepares a statement after a few runs, on the server process of that moment;
+        behind PgBouncer in transaction mode (before 1.21) the next transaction may run on
+        another process, where the statement does not exist.  Prepared statements halve a
+        short statement's server time on a local socket, so they are dropped only there:
+        detected once per Database (:func:`~dramatiq_reliable.pooler.behind_transaction_pooler`).
+        """
+        if self.transaction_pooled():
+            conn.prepare_threshold = None
+
+    def transaction_pooled(self) -> bool:
+        """Whether this pool's connections go through a pooler in transaction mode (detected once).
+
+        Two connections: while the second holds a transaction (and so its server process), the
+        first's next statement must run on another process if the pooler hands processes out
+        per transaction; Postgres itself, or a session pooler, keeps one process per connection.
+        Three rounds, since the pooler may give the first connection the same idle process twice.
+        """
+        if self._pooled is None:
+            found = False
+            with self.connect(autocommit=True) as first, self.connect(autocommit=True) as second:
+                for _ in range(3):
+                    before = _backend(first)
+                    with second.transaction():
+                        held = _backend(second)
+                        after = _backend(first)
+                    if before != after or before == held:
+                        found = True
+                        break
+            self._pooled = found
+        return self._pooled
 
     @classmethod
     def of(cls, value: object, *, argument: str = "database", max_size: int = 10, timeout_ms: int = 10_000) -> Database:
@@ -215,6 +253,8 @@ class Database:
 
                 async def track(conn: psycopg.AsyncConnection[Any]) -> None:
                     opened.add(conn)
+                    if await asyncio.to_thread(self.transaction_pooled):
+                        conn.prepare_threshold = None  # as in _configure
 
                 options = self.pool.kwargs if isinstance(self.pool.kwargs, dict) else {}
                 entry = self._async_pools[loop] = (
@@ -290,6 +330,13 @@ class Database:
                     _end_connections(opened)
             else:
                 loop.run_until_complete(pool.close())
+
+
+def _backend(conn: psycopg.Connection[Any]) -> int:
+    """The server process running ``conn``'s statement (a pooler in transaction mode changes it)."""
+    row = conn.cursor(row_factory=dict_row).execute(_sql.query("doctor_backend", _sql.DEFAULT_SCHEMA)).fetchone()
+    assert row is not None
+    return int(row["backend_pid"])
 
 
 def _end_connections(opened: weakref.WeakSet[psycopg.AsyncConnection[Any]]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import dramatiq
 import embedded_postgres  # (first: an embedded Postgres if DATABASE_URL is unset)
+import pgbouncer
 import pika
 import psycopg
 import pytest
@@ -231,12 +232,40 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             )
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``pooler`` runs twice: on Postgres directly and through a PgBouncer in
+    transaction mode (its ``database_url`` is then the pooler's; tests/pgbouncer.py)."""
+    fixtures = metafunc.fixturenames
+    if (
+        metafunc.definition.get_closest_marker("pooler")
+        and "database_url" in fixtures
+        and "pgbouncer_url" not in fixtures
+    ):
+        metafunc.parametrize("database_url", ["direct", "pgbouncer"], indirect=True, scope="session")
+
+
 @pytest.fixture(scope="session")
-def database_url() -> str:
+def database_url(request: pytest.FixtureRequest) -> str:
     service = SERVICES["database_url"]
     if not service.check():
         _unavailable(service)
+    # THROUGH_PGBOUNCER=1 sends every test through the pooler (an opt-in sweep, not run in CI).
+    if (
+        getattr(request, "param", "pgbouncer" if os.environ.get("THROUGH_PGBOUNCER") == "1" else "direct")
+        == "pgbouncer"
+    ):
+        return str(request.getfixturevalue("pgbouncer_url"))
     return service.url
+
+
+@pytest.fixture(scope="session")
+def pgbouncer_url() -> Iterator[str]:
+    """The test database through one PgBouncer in transaction mode, shared by the session."""
+    service = SERVICES["database_url"]
+    if not service.check():
+        _unavailable(service)
+    with pgbouncer.pgbouncer(service.url, pool_size=10) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

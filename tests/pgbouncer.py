@@ -39,7 +39,7 @@ def _quoted(text: str) -> str:
 
 
 @contextlib.contextmanager
-def pgbouncer(database_url: str, *, pool_mode: str = "transaction") -> Iterator[str]:
+def pgbouncer(database_url: str, *, pool_mode: str = "transaction", pool_size: int = 4) -> Iterator[str]:
     """Run PgBouncer in ``pool_mode`` before ``database_url``'s server; yield the URL through it.
 
     Stopped (and its folder removed) after, even when the test fails.
@@ -62,7 +62,7 @@ def pgbouncer(database_url: str, *, pool_mode: str = "transaction") -> Iterator[
             "[pgbouncer]\n"
             f"listen_addr = 127.0.0.1\nlisten_port = {listen}\nunix_socket_dir =\n"
             f"auth_type = trust\nauth_file = {users}\n"
-            f"pool_mode = {pool_mode}\ndefault_pool_size = 4\nmax_client_conn = 50\n"
+            f"pool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 50\n"
             # psycopg and libpq send these; PgBouncer refuses unknown startup parameters otherwise.
             "ignore_startup_parameters = extra_float_digits,options\n"
         )

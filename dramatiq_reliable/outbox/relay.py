@@ -46,6 +46,7 @@ from ..backing import postgres_backed
 from ..database import Database, DatabaseLike
 from ..dedupe import purge_dedupe_keys
 from ..errors import BrokerUnavailable, ConfigurationError, SchemaNotReady
+from ..pooler import listen_target
 from . import wake
 from .events import OutboxBatchPublished, OutboxBrokerUnavailable, OutboxPublished, OutboxRowFailed, RelayedMessage
 from .long_jobs import LeaseReaper
@@ -109,6 +110,7 @@ class RelayOptions:
     max_batch_bytes: int = 4 * 1024 * 1024
     max_attempts: int | None = 25
     statement_timeout_ms: int = 30_000
+    listen_database: DatabaseLike | None = None
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, minimum=1, maximum=_INT_MAX)
@@ -167,6 +169,8 @@ class Relay:
         ``dramatiq-reliable outbox retry`` resets it.  ``None`` retries forever.
       statement_timeout_ms: server-side bound of each of the relay's own statements; its
         transaction is also closed by Postgres if it idles past ``confirm_timeout_ms`` plus this.
+      listen_database: a direct Postgres URL (or Database) for the ``LISTEN`` connection when
+        ``database`` is behind a transaction pooler; without it the relay detects the pooler and polls.
 
     Every option is keyword-only, validated once by :class:`RelayOptions` (a
     :class:`~dramatiq_reliable.errors.ConfigurationError` naming the option), and kept as
@@ -197,6 +201,7 @@ class Relay:
         max_batch_bytes: int = RelayOptions.max_batch_bytes,
         max_attempts: int | None = RelayOptions.max_attempts,
         statement_timeout_ms: int = RelayOptions.statement_timeout_ms,
+        listen_database: DatabaseLike | None = RelayOptions.listen_database,
     ) -> None:
         import pika
 
@@ -216,6 +221,7 @@ class Relay:
             max_batch_bytes=max_batch_bytes,
             max_attempts=max_attempts,
             statement_timeout_ms=statement_timeout_ms,
+            listen_database=listen_database,
         )
         self.max_priority: int | None = check_int("max_priority", max_priority, minimum=1, maximum=255, allow_none=True)
         queues = QueueSettings(
@@ -265,6 +271,7 @@ class Relay:
         max_batch_bytes: int = RelayOptions.max_batch_bytes,
         max_attempts: int | None = RelayOptions.max_attempts,
         statement_timeout_ms: int = RelayOptions.statement_timeout_ms,
+        listen_database: DatabaseLike | None = RelayOptions.listen_database,
     ) -> Relay:
         """A relay that shares ``broker``'s RabbitMQ parameters, pool, schema and queue settings.
 
@@ -298,6 +305,7 @@ class Relay:
             max_batch_bytes=max_batch_bytes,
             max_attempts=max_attempts,
             statement_timeout_ms=statement_timeout_ms,
+            listen_database=listen_database,
         )
 
     # -- one pass --------------------------------------------------------------------------
@@ -608,8 +616,16 @@ class Relay:
         ceiling = min(self.backoff_max_s, self.backoff_min_s * 2 ** min(failures - 1, 20))
         return random.uniform(ceiling / 2, ceiling)
 
-    def _open_listener(self) -> psycopg.Connection[Any]:
-        conn = self.database.connect(autocommit=True)
+    def _open_listener(self) -> psycopg.Connection[Any] | None:
+        try:
+            target = listen_target(self.database, self.options.listen_database, who="outbox relay")
+        except ConfigurationError as error:
+            logger.error("%s; the relay polls instead", error)
+            target = None
+        if target is None:  # behind a transaction pooler: listen=False from now on
+            self.listen = False
+            return None
+        conn = target.connect(autocommit=True)
         try:
             conn.execute(
                 _sql.query("outbox_waiter_timeout", self.schema),
@@ -816,6 +832,7 @@ class WorkerRelay(Middleware):
         max_batch_bytes: int = RelayOptions.max_batch_bytes,
         max_attempts: int | None = RelayOptions.max_attempts,
         statement_timeout_ms: int = RelayOptions.statement_timeout_ms,
+        listen_database: DatabaseLike | None = RelayOptions.listen_database,
     ) -> None:
         self.options = RelayOptions(
             batch_size=batch_size,
@@ -831,6 +848,7 @@ class WorkerRelay(Middleware):
             max_batch_bytes=max_batch_bytes,
             max_attempts=max_attempts,
             statement_timeout_ms=statement_timeout_ms,
+            listen_database=listen_database,
         )
         self.relay: Relay | None = None
         self._thread: threading.Thread | None = None
@@ -843,7 +861,9 @@ class WorkerRelay(Middleware):
                 type(broker).__name__,
             )
             return
-        self.relay = Relay.from_broker(broker, **dataclasses.asdict(self.options))
+        self.relay = Relay.from_broker(
+            broker, **{f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)}
+        )
         self._thread = threading.Thread(target=self.relay.run, name="dramatiq-reliable-relay", daemon=True)
         self._thread.start()
 

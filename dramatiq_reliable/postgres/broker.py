@@ -92,6 +92,9 @@ class PostgresBroker(RowSending, Broker):
       claim_batch_size: the most rows one claim takes (the prefetch caps it too).
       dead_message_ttl_ms: how long a dead ``.XQ`` row is kept.
       middleware: as for any Dramatiq broker.
+      listen_database: a direct Postgres URL (or Database) for the ``LISTEN`` connection when
+        ``database`` goes through PgBouncer in transaction mode; without it the broker detects
+        the pooler and its consumers poll every ``worker_timeout`` (logged once).
 
     >>> broker = PostgresBroker(database="postgresql://app@localhost/app")
     >>> dramatiq.set_broker(broker)                                       # doctest: +SKIP
@@ -121,6 +124,7 @@ class PostgresBroker(RowSending, Broker):
         claim_batch_size: int = 100,
         dead_message_ttl_ms: int = DEFAULT_DEAD_MESSAGE_TTL_MS,
         middleware: list[Middleware] | None = None,
+        listen_database: DatabaseLike | None = None,
     ) -> None:
         check_ms("lease_ms", lease_ms, minimum=100, fix="e.g. lease_ms=30000")
         if heartbeat_ms is None:
@@ -149,7 +153,9 @@ class PostgresBroker(RowSending, Broker):
         # Lease tokens: distinct per claim, and per process with overwhelming likelihood.
         self._lease_tokens = itertools.count(random.getrandbits(62) + 1)
         self.schema_gate = SchemaGate(self._check_queue_table, schema=self.schema)
-        self.listener = Listener(self.database, self.schema, on_notify=self.schema_gate.nudge)
+        self.listener = Listener(
+            self.database, self.schema, on_notify=self.schema_gate.nudge, listen_database=listen_database
+        )
         self.leases = Leases(
             self.database,
             self.schema,

@@ -27,7 +27,9 @@ from psycopg import sql
 from psycopg_pool import PoolTimeout
 
 from .._util import first_line
-from ..database import Database
+from ..database import Database, DatabaseLike
+from ..errors import ConfigurationError
+from ..pooler import listen_target
 from . import queue
 
 if TYPE_CHECKING:
@@ -49,11 +51,21 @@ class Listener:
     """The broker's one ``LISTEN`` connection, turning notifications into per-queue wake-ups.
 
     ``on_notify`` is called before the wake-up of every notification (the broker's schema gate:
-    a notification proves the queue table exists).
+    a notification proves the queue table exists).  ``listen_database`` holds the ``LISTEN``
+    connection when ``database`` is behind a transaction pooler; without it, there, no listener
+    runs and the consumers poll (:func:`~dramatiq_reliable.pooler.listen_target`).
     """
 
-    def __init__(self, database: Database, schema: str, *, on_notify: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        database: Database,
+        schema: str,
+        *,
+        on_notify: Callable[[], None] | None = None,
+        listen_database: DatabaseLike | None = None,
+    ) -> None:
         self.database = database
+        self.listen_database = listen_database
         self.channel = channel(schema)
         self._on_notify = on_notify
         self._lock = threading.Lock()
@@ -100,9 +112,14 @@ class Listener:
 
     def _run(self) -> None:
         backoff = 0.1
+        target: Database | None = None
         while not self._stop.is_set():
             try:
-                with self.database.connect(autocommit=True) as conn:
+                if target is None:
+                    target = listen_target(self.database, self.listen_database, who="PostgresBroker's queue listener")
+                    if target is None:
+                        return  # behind a transaction pooler: the consumers poll every worker_timeout
+                with target.connect(autocommit=True) as conn:
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
                     self.listening.set()
                     backoff = 0.1
@@ -125,6 +142,9 @@ class Listener:
                 self.wake_all()
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
+            except ConfigurationError as error:
+                logger.error("%s; the consumers poll instead", error)
+                return
         self.listening.clear()
 
 

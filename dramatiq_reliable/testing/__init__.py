@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from .._checks import check_ms
+from ..database import DatabaseLike
 from ..outbox.broker import OutboxBroker
 from ..outbox.relay import OnPublished, Relay, RelayOptions
 from .assertions import assert_enqueued, assert_enqueued_count, assert_not_enqueued, enqueued
@@ -69,6 +70,7 @@ def drain_outbox(
     max_batch_bytes: int = RelayOptions.max_batch_bytes,
     max_attempts: int | None = RelayOptions.max_attempts,
     statement_timeout_ms: int = RelayOptions.statement_timeout_ms,
+    listen_database: DatabaseLike | None = RelayOptions.listen_database,
 ) -> int:
     """Publish every committed outbox row of ``broker`` that is due to RabbitMQ now; return the count.
 
@@ -93,6 +95,7 @@ def drain_outbox(
         max_batch_bytes=max_batch_bytes,
         max_attempts=max_attempts,
         statement_timeout_ms=statement_timeout_ms,
+        listen_database=listen_database,
     )
     try:
         return relay.drain()

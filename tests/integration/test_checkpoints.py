@@ -36,6 +36,7 @@ def _run(url: str, schema: str, name: str, initial: Any, *, advance: Any = None)
         return window.since, window.until
 
 
+@pytest.mark.pooler
 def test_the_first_run_starts_at_initial_and_a_committed_run_moves_the_watermark_to_until(database_url, db_schema, db):
     since, until = _run(database_url, db_schema, "orders-sync", T0)
     assert since == T0
@@ -59,6 +60,7 @@ def test_an_error_in_the_block_or_a_rollback_after_it_leaves_the_watermark_alone
     assert _stored(db, db_schema, "orders-sync") == (T0, None, None)
 
 
+@pytest.mark.pooler
 def test_two_overlapping_runs_do_not_share_a_window_the_second_waits(database_url, db_schema, db):
     _run(database_url, db_schema, "orders-sync", T0, advance=T0)
     first_in, first_may_finish, windows = threading.Event(), threading.Event(), {}

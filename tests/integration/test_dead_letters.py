@@ -150,6 +150,7 @@ def _capture(
 # -- every way of dying --------------------------------------------------------------------------
 
 
+@pytest.mark.pooler
 def test_exhausted_retries_land_once_with_the_last_traceback_and_every_attempt_counted(
     make_broker, run_worker, queue_name, rabbit, db, db_schema, seen_events
 ):

@@ -91,6 +91,7 @@ def _waiting_on_advisory(db: psycopg.Connection[Any], lock: int) -> int:
 # -- duplicates ---------------------------------------------------------------------------------
 
 
+@pytest.mark.pooler
 def test_the_same_message_delivered_twice_in_a_row_has_one_effect(
     broker, queue_name, worker, db, db_schema, effects, seen
 ):

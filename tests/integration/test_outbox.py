@@ -48,6 +48,7 @@ def _rows(db: psycopg.Connection[Any], db_schema: str, where: str = "TRUE") -> l
     ).fetchall()
 
 
+@pytest.mark.pooler
 def test_commit_delivers_exactly_one_message_per_send(broker, queue_name, rabbit, db, db_schema):
     task = _actor(broker, queue_name)
     with broker.transaction():
@@ -69,6 +70,7 @@ def test_rollback_delivers_nothing(broker, queue_name, rabbit, db, db_schema):
     assert rabbit.count(queue_name) == 0
 
 
+@pytest.mark.pooler
 def test_send_on_an_app_connection_commits_with_the_app_writes(broker, queue_name, database_url, db, db_schema):
     task = _actor(broker, queue_name)
     with psycopg.connect(database_url) as conn:
@@ -316,6 +318,7 @@ def test_delete_mode_removes_rows_once_confirmed(broker, queue_name, rabbit, db,
     assert rabbit.count(queue_name) == 5
 
 
+@pytest.mark.pooler
 def test_concurrent_migrations_apply_each_version_once(database_url, unmigrated_schema):
     results: list[list[int]] = []
     errors: list[BaseException] = []

@@ -76,6 +76,7 @@ def rows(db: psycopg.Connection[Any], schema: str, queue_name: str) -> list[tupl
     ).fetchall()
 
 
+@pytest.mark.pooler
 def test_a_send_in_a_transaction_exists_only_if_it_commits(pg_broker: PostgresBroker, qname: str, db: Any) -> None:
     @dramatiq.actor(queue_name=qname)
     def job(n: int) -> None: ...
@@ -197,6 +198,7 @@ def test_worker_join_flush_and_declared_queues(
         pg_broker.join("never_declared")
 
 
+@pytest.mark.pooler
 def test_pipelines_and_groups_run(pg_broker: PostgresBroker, pg_worker: dramatiq.Worker, qname: str) -> None:
     seen: list[Any] = []
 
@@ -267,6 +269,7 @@ def test_a_held_message_comes_back_after_its_lease_and_a_heartbeat_keeps_it(
     other.close()
 
 
+@pytest.mark.pooler
 def test_a_failed_message_lands_in_dead_letters_and_replays_onto_the_queue(
     database_url: str, db_schema: str, qname: str, db: Any
 ) -> None:
@@ -318,6 +321,7 @@ def test_without_dead_letters_a_nack_keeps_the_row_as_xq(
     assert rows(db, pg_broker.schema, qname) == []
 
 
+@pytest.mark.pooler
 def test_idempotency_commits_the_writes_the_key_and_the_ack_together(
     database_url: str, db_schema: str, qname: str, db: Any
 ) -> None:

@@ -41,6 +41,7 @@ def _registry(**fields) -> Registry:
     return registry
 
 
+@pytest.mark.pooler
 def test_three_loops_write_exactly_one_outbox_row_per_tick(make_loop, db_schema, db):
     registry = _registry()
     loops = [make_loop(db_schema, registry) for _ in range(3)]

@@ -39,6 +39,7 @@ def _held(seen: list[events.Event]) -> list[dict[str, Any]]:
     return [e.as_attributes() for e in seen if e.name == "singleton.held"]
 
 
+@pytest.mark.pooler
 def test_a_run_sent_while_the_key_is_held_is_skipped_and_the_lease_goes_with_the_run(
     broker, queue_name, worker, db, db_schema, seen
 ):
