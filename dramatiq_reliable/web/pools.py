@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import psycopg
 from psycopg import conninfo as _conninfo
 from psycopg_pool import ConnectionPool
 
@@ -31,6 +32,16 @@ def action_database(database: DatabaseLike) -> Database:
     if isinstance(database, str):
         return Database(url=database, max_size=2)
     return Database.of(database)
+
+
+def _unprepared(conn: psycopg.Connection[Any]) -> None:
+    """No prepared statements on the page's reads: they work behind a transaction pooler.
+
+    A page runs a handful of statements a minute, so what preparing saves is nothing here, and
+    behind PgBouncer in transaction mode a statement prepared on one server process is missing
+    on the next (see :meth:`~dramatiq_reliable.database.Database.transaction_pooled`).
+    """
+    conn.prepare_threshold = None
 
 
 class ReadPool:
@@ -60,6 +71,7 @@ class ReadPool:
             # As long as a connect may take (libpq's connect_timeout default here): a page with
             # Postgres down says so within seconds.
             timeout=5.0,
+            configure=_unprepared,
         )
         self._database = Database(pool=self._pool)
         self._lock = threading.Lock()

@@ -57,6 +57,17 @@ def test_a_statement_run_many_times_while_the_server_process_changes_does_not_fa
         assert len(backends) > 1  # the case that broke: one client, several server processes
 
 
+def test_the_web_pages_read_pool_prepares_nothing_so_it_works_behind_the_pooler(pgbouncer_url):
+    from dramatiq_reliable.web.pools import ReadPool
+
+    reads = ReadPool(pgbouncer_url, statement_timeout_ms=5_000)
+    try:
+        with reads.get().connection() as conn:
+            assert conn.prepare_threshold is None
+    finally:
+        reads.close()
+
+
 def test_directly_statements_are_still_prepared(database_url):
     direct = Database(url=database_url, max_size=1)
     try:
