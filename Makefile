@@ -38,8 +38,8 @@ typing: install
 
 # The suite against a database and a vhost other than the defaults (docs/testing.md): proves no
 # test hard-codes `postgres` or `/`.  The partition tests (75 s of cuts) and the cluster tests
-# (RabbitMQ nodes of their own, whatever RABBITMQ_URL says) run once, in `make test`, as does
-# the chaos run (a minute of kills whose URLs come from the same fixtures).  Creates
+# (RabbitMQ nodes of their own, whatever RABBITMQ_URL says) run once, in `make test`, as do the
+# acceptance tests (processes started with the URLs of the same fixtures; minutes of kills).  Creates
 # `dr_alt` in both when missing; needs psql and rabbitmqctl on this machine.
 ALT_ADMIN_URL    ?= postgresql://postgres@127.0.0.1:5432/postgres
 ALT_DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/dr_alt
@@ -51,7 +51,7 @@ test-alt: install
 	rabbitmqctl -q list_vhosts | grep -qx dr_alt || rabbitmqctl -q add_vhost dr_alt
 	rabbitmqctl -q set_permissions -p dr_alt guest '.*' '.*' '.*'
 	DATABASE_URL="$(ALT_DATABASE_URL)" RABBITMQ_URL="$(ALT_RABBITMQ_URL)" $(BIN)/pytest -q -m "not partition and not cluster" \
-	  --ignore=tests/acceptance/test_chaos.py --durations=10 tests/integration tests/acceptance
+	  --durations=10 tests/integration
 
 $(VENV)/.docs-installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[docs]'
