@@ -213,6 +213,27 @@ def check_joinable(conn: AnyConnection, database: Database | None, *, actor_name
         )
 
 
+def joinable_connection(database: Database | None, *, actor_name: str) -> psycopg.Connection[Any] | None:
+    """The transaction a sync ``send()`` writes in: the bound one, else an ambient one, checked.
+
+    ``None`` when there is none (the caller's ``on_unbound`` rule applies).  Inside an async
+    binding a sync send is refused: it could only commit on its own.  ``database=None`` (a
+    broker with no Postgres of its own) asks no ambient source and checks no database identity.
+    """
+    conn = bound_connection()
+    if conn is None and bound_async_connection() is not None:
+        raise NotBound(
+            f"send() of actor {actor_name!r} inside an async binding: it would commit on its own, "
+            "outside that transaction; use 'await send_async(actor, ...)' in async code"
+        )
+    if conn is None and database is not None:
+        # A transaction the caller opened without binding it (Django's atomic(), ...).
+        conn = ambient_connection(database)
+    if conn is not None:
+        check_joinable(conn, database, actor_name=actor_name)
+    return conn
+
+
 # -- ambient transactions ------------------------------------------------------------------------
 
 #: A function that, given the broker's database, returns the connection of a transaction the

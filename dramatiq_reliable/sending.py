@@ -55,7 +55,7 @@ from ._checks import check_choice, check_int, check_ms
 from ._util import first_line, redact
 from .async_sending import BrokerTransaction
 from .backing import SendsTo
-from .binding import ambient_connection, bound_async_connection, bound_connection, check_joinable
+from .binding import ambient_connection, bound_async_connection, bound_connection, check_joinable, joinable_connection
 from .database import Database, DatabaseLike
 from .errors import ConfigurationError, NotBound, OutboxWriteError, PayloadError, SchemaNotReady
 
@@ -416,17 +416,8 @@ class RowSending:
 
     def _write(self, message: Message[Any], row: Row, dedupe: tuple[str, int] | None = None) -> str:
         """Write the row; the id of the message sent (another one's when ``dedupe``'s key was held)."""
-        conn = bound_connection()
-        if conn is None and bound_async_connection() is not None:
-            raise NotBound(
-                f"send() of actor {message.actor_name!r} inside an async binding: it would commit on its own, "
-                "outside that transaction; use 'await send_async(actor, ...)' in async code"
-            )
-        if conn is None:
-            # A transaction the caller opened without binding it (Django's atomic(), ...).
-            conn = ambient_connection(self.database)
+        conn = joinable_connection(self.database, actor_name=message.actor_name)
         if conn is not None:
-            check_joinable(conn, self.database, actor_name=message.actor_name)
             return self._execute(conn, row, message, dedupe)
         return self._write_unbound(message, row, dedupe, isinstance(threading.current_thread(), WorkerThread))
 

@@ -40,9 +40,9 @@ from psycopg.rows import dict_row
 
 from .. import _sql
 from .._checks import check_int
-from ..binding import ambient_connection, bound_async_connection, bound_connection, bound_transaction, check_joinable
+from ..binding import bound_transaction, joinable_connection
 from ..database import Database, DatabaseLike
-from ..errors import ConfigurationError, NotBound, PayloadError
+from ..errors import ConfigurationError, PayloadError
 from ..sending import validate_send
 
 __all__ = ["InMemoryBroker"]
@@ -159,18 +159,11 @@ class InMemoryBroker(StubBroker):
         if delay is not None:
             message = message.copy(queue_name=dq_name(canonical), options={"eta": current_millis() + delay})
         self.emit_before("enqueue", message, delay)
-        conn = bound_connection()
-        if conn is None and bound_async_connection() is not None:
-            raise NotBound(
-                f"send() of actor {message.actor_name!r} inside an async binding: it would commit on its own, "
-                "outside that transaction; use 'await send_async(actor, ...)' in async code"
-            )
-        if conn is None and self.database is not None:
-            conn = ambient_connection(self.database)  # Django's atomic(), as the Postgres brokers join it
+        # The Postgres brokers' choice of transaction and their refusals, so a test sees what
+        # production would.
+        conn = joinable_connection(self.database, actor_name=message.actor_name)
         block = self._block()
         if conn is not None:
-            # The Postgres brokers' refusals, so a test sees what production would.
-            check_joinable(conn, self.database, actor_name=message.actor_name)
             self._hold(conn, message)
         elif block is not None:
             block.sends.append(message)
