@@ -71,6 +71,9 @@ MAX_RESULT_BYTES = 64 * 1024
 #: of more children is a :class:`~dramatiq_reliable.workflows.Batch`, whose counter is sharded.
 MAX_STEPS = 1000
 
+#: The most span links a step after a group carries (OpenTelemetry's SDK keeps 128 by default).
+MAX_LINKS = 128
+
 IfStepDies = Literal["fail", "skip", "wait"]
 
 
@@ -359,6 +362,7 @@ class Workflows(Middleware):
         results = [r["result"] for r in previous]
         value: Any = results if previous[0]["is_group"] else results[0]
         links = [r["traceparent"] for r in previous if r["traceparent"]] if previous[0]["is_group"] else []
+        del links[MAX_LINKS:]
         for row in rows:
             if row["stage"] != stage:
                 continue

@@ -9,6 +9,7 @@ import dramatiq
 import psycopg
 import pytest
 from dramatiq.middleware import Callbacks
+from support import Otel
 
 from dramatiq_reliable import (
     Cancellation,
@@ -19,10 +20,13 @@ from dramatiq_reliable import (
     OutboxBroker,
     PostgresBroker,
     PostgresDeadLetterStore,
+    Tracing,
     WorkerRelay,
+    build_middleware,
 )
 from dramatiq_reliable.cli import main
 from dramatiq_reliable.testing import wait_for
+from dramatiq_reliable.tracing.semconv import LINK_ROLE
 from dramatiq_reliable.workflows import (
     WORKFLOW_OPTION,
     Group,
@@ -308,3 +312,42 @@ def test_bad_input_is_refused_before_anything_is_written(
     status = workflow_status(flowing.database, db_schema, big.id)
     assert status.state == "failed" and "over the limit of 65536; store the data in a table" in (status.error or "")
     assert status.steps[1].state == "cancelled"
+
+
+def test_one_trace_per_workflow_and_the_join_step_links_to_each_child(
+    database_url: str, db_schema: str, otel: Otel
+) -> None:
+    tracing = Tracing(tracer_provider=otel.tracer_provider, meter_provider=otel.meter_provider)
+    broker = PostgresBroker(
+        database=database_url,
+        schema=db_schema,
+        middleware=build_middleware(middleware=[tracing, Idempotency(), Workflows()]),
+    )
+    dramatiq.set_broker(broker)
+    joined: list[Any] = []
+
+    @dramatiq.actor(queue_name="traced", broker=broker)
+    def child(n: int) -> int:
+        return n
+
+    @dramatiq.actor(queue_name="traced", broker=broker)
+    def join(results: list[int]) -> None:
+        joined.append(results)
+
+    workflow = Workflow([Group([child.message(1), child.message(2)]), join.message()], broker=broker)
+    with otel.tracer_provider.get_tracer("test").start_as_current_span("request") as request, broker.transaction():
+        workflow.run()
+    worker = dramatiq.Worker(broker, worker_timeout=50, worker_threads=2)
+    worker.start()
+    try:
+        wait_for(lambda: joined, timeout_ms=30_000, message="the join step never ran")
+        wait_for(lambda: len(otel.spans("process traced")) == 3, timeout_ms=10_000)
+    finally:
+        worker.stop()
+        broker.close()
+    spans = otel.spans("process traced")
+    assert {s.context.trace_id for s in spans} == {request.get_span_context().trace_id}, "not one trace"
+    (join_span,) = (s for s in spans if s.attributes["dramatiq.actor.name"] == "join")
+    children = {s.context.span_id for s in spans if s.attributes["dramatiq.actor.name"] == "child"}
+    linked = {link.context.span_id for link in join_span.links if link.attributes[LINK_ROLE] == "workflow_child"}
+    assert linked == children
