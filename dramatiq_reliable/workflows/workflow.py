@@ -372,3 +372,15 @@ class Workflows(Middleware):
             if links:
                 options[WORKFLOW_LINKS_OPTION] = links
             broker.enqueue(template.copy(args=args, options=options))
+
+    def before_worker_boot(self, broker: Broker, worker: Any) -> None:
+        names = [type(m).__name__ for m in broker.middleware]
+        if (
+            "Idempotency" in names
+            and self in broker.middleware
+            and names.index("Idempotency") > names.index("Workflows")
+        ):
+            logger.warning(
+                "Workflows comes before Idempotency in the middleware list, so steps are marked (and the next stage "
+                "sent) after their job commits; add Workflows after Idempotency"
+            )
