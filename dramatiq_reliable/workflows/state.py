@@ -14,9 +14,17 @@ from .._checks import check_text
 from ..database import Database, DatabaseLike
 from ..errors import DatabaseUnavailable, JobNotFound
 from ..jobs.cancel import CancelResult, cancel_in_transaction
-from ..schema import WORKFLOW_VERSION, ensure_ready
+from ..schema import WORKFLOW_VERSION, current_version, ensure_ready
 
-__all__ = ["WorkflowCancel", "WorkflowStatus", "WorkflowStep", "cancel_workflow", "workflow_status"]
+__all__ = [
+    "StepOf",
+    "WorkflowCancel",
+    "WorkflowStatus",
+    "WorkflowStep",
+    "cancel_workflow",
+    "step_of",
+    "workflow_status",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +78,21 @@ class WorkflowStatus:
         out["waiting_for_replay"] = self.waiting_for_replay
         out["steps"] = [{k: plain(v) for k, v in dataclasses.asdict(step).items()} for step in self.steps]
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOf:
+    """Where a job sits in a workflow, for ``jobs show``: the workflow, the step's place and both states."""
+
+    workflow_id: str
+    stage: int
+    position: int
+    step_state: str
+    workflow_state: str
+    stages: int
+
+    def asdict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,3 +232,29 @@ def cancel_workflow(
             f"could not cancel workflow {id!r}: Postgres is unreachable ({error}); nothing changed, try again"
         ) from error
     return result
+
+
+def step_of(conn: psycopg.Connection[Any], schema: str, message_id: str) -> StepOf | None:
+    """The workflow whose step ``message_id`` is, or ``None`` (not a step, or a schema before workflows).
+
+    One indexed read on the caller's connection and transaction; never raises for a schema that
+    has no workflow tables yet, so ``jobs show`` works on every version.
+    """
+    version = current_version(conn, schema=schema)
+    if version is None or version < WORKFLOW_VERSION:
+        return None
+    row = (
+        conn.cursor(row_factory=dict_row)
+        .execute(_sql.query("workflow_of_step", schema), {"message_id": message_id})
+        .fetchone()
+    )
+    if row is None:
+        return None
+    return StepOf(
+        workflow_id=row["workflow_id"],
+        stage=row["stage"],
+        position=row["position"],
+        step_state=row["step_state"],
+        workflow_state=row["state"],
+        stages=row["stages"],
+    )

@@ -138,6 +138,10 @@ def test_results_feed_the_next_step_and_a_group_joins_into_one_step(
     shown = capsys.readouterr().out
     assert "succeeded" in shown and "total" in shown
     assert main(["workflows", "show", "nope", "--database-url", database_url, "--schema", db_schema]) == 7
+    capsys.readouterr()
+    total_id = status.steps[4].message_id
+    assert main(["jobs", "show", total_id, "--database-url", database_url, "--schema", db_schema]) == 0
+    assert f"{workflow.id} (succeeded): stage 3 of 4, step 1, done" in capsys.readouterr().out
 
 
 def test_a_chain_with_a_dead_middle_step_resumes_after_its_dead_letter_is_replayed(

@@ -55,8 +55,9 @@ CREATE TABLE {schema}.workflow_steps (
     PRIMARY KEY (workflow_id, stage, position),
     CONSTRAINT workflow_steps_state CHECK (state IN ('waiting', 'sent', 'done', 'dead', 'cancelled'))
 );
--- A step is found by its message id when it finishes; one message is one step of one workflow.
-CREATE UNIQUE INDEX workflow_steps_message ON {schema}.workflow_steps (workflow_id, message_id);
+-- A step is found by its message id when it finishes (and by 'jobs show'); one message is one
+-- step of one workflow.
+CREATE UNIQUE INDEX workflow_steps_message ON {schema}.workflow_steps (message_id, workflow_id);
 
 -- Stop a running workflow: it is 'failed' (p_error) and its steps not yet sent never will be;
 -- the on_failure message, if any, becomes a row of the outbox or queue table here.
