@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -355,3 +356,85 @@ def test_one_trace_per_workflow_and_the_join_step_links_to_each_child(
     children = {s.context.span_id for s in spans if s.attributes["dramatiq.actor.name"] == "child"}
     linked = {link.context.span_id for link in join_span.links if link.attributes[LINK_ROLE] == "workflow_child"}
     assert linked == children
+
+
+@postgres_only
+def test_a_cancel_waits_for_a_step_sending_the_next_stage_then_cancels_that_stage(
+    flowing: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    @dramatiq.actor(queue_name=queue, broker=flowing)
+    def step(n: int, previous: Any = None) -> int:
+        return n
+
+    workflow = Workflow([step.message(1), step.message(2)], broker=flowing)
+    with flowing.transaction():
+        workflow.run()
+    workflows = next(m for m in flowing.middleware if isinstance(m, Workflows))
+    first = dramatiq.broker.MessageProxy(workflow.stages[0][1][0])
+    second = workflow.stages[1][1][0].message_id
+    results: list[Any] = []
+    with flowing.database.connection() as job, job.transaction():
+        # The first step finishes its stage in its job's transaction, which is still open.
+        assert workflows.finish(flowing, first, dead=False, result=1, conn=job) == "advance"
+        canceller = threading.Thread(
+            target=lambda: results.append(cancel_workflow(flowing.database, db_schema, workflow.id, by="alice"))
+        )
+        canceller.start()
+        wait_for(
+            lambda: (
+                db.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+                    (f'%Cancel a running workflow%"{db_schema}".workflows%',),
+                ).fetchone()
+                == (1,)
+            ),
+            message="the cancel did not wait for the workflow's row",
+        )
+        assert not results
+    canceller.join(timeout=30)
+    (result,) = results
+    assert [(job.message_id, job.outcome) for job in result.jobs] == [(second, "queue")]
+    status = workflow_status(flowing.database, db_schema, workflow.id)
+    assert (status.state, [s.state for s in status.steps]) == ("cancelled", ["done", "cancelled"])
+    left = db.execute(
+        psycopg.sql.SQL("SELECT count(*) FROM {} WHERE message_id = %s").format(
+            psycopg.sql.Identifier(db_schema, "queue")
+        ),
+        (second,),
+    ).fetchone()
+    assert left == (0,), "the next stage's message was left to run after the cancel"
+
+
+@postgres_only
+def test_a_cancel_does_not_wait_for_a_step_in_the_middle_of_finishing_and_that_step_sends_nothing(
+    flowing: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    @dramatiq.actor(queue_name=queue, broker=flowing)
+    def step(n: int, previous: Any = None) -> int:
+        return n
+
+    workflow = Workflow([step.message(1), step.message(2)], broker=flowing)
+    with flowing.transaction():
+        workflow.run()
+    workflows = next(m for m in flowing.middleware if isinstance(m, Workflows))
+    first = dramatiq.broker.MessageProxy(workflow.stages[0][1][0])
+    results: list[Any] = []
+    with flowing.database.connection() as job, job.transaction():
+        # The step's finish has taken its own row's lock (as the finish's first statement does);
+        # waiting for it here while holding the workflow's row would deadlock with the finish.
+        job.execute(
+            psycopg.sql.SQL("SELECT 1 FROM {} WHERE message_id = %s FOR UPDATE").format(
+                psycopg.sql.Identifier(db_schema, "workflow_steps")
+            ),
+            (first.message_id,),
+        )
+        canceller = threading.Thread(
+            target=lambda: results.append(cancel_workflow(flowing.database, db_schema, workflow.id, by="alice"))
+        )
+        canceller.start()
+        wait_for(lambda: results, message="the cancel waited for the finishing step's row")
+        assert workflows.finish(flowing, first, dead=False, result=1, conn=job) == "stopped"
+    canceller.join(timeout=30)
+    assert (results[0].changed, results[0].never_sent, results[0].jobs) == (True, 1, ())
+    status = workflow_status(flowing.database, db_schema, workflow.id)
+    assert (status.state, [s.state for s in status.steps]) == ("cancelled", ["done", "cancelled"])
