@@ -53,6 +53,7 @@ from .._util import first_line, redact
 from ..binding import ambient_connection, bind, bound_connection, check_joinable
 from ..database import Database
 from ..errors import ConfigurationError, DatabaseUnavailable, NotBound
+from ..schema import WORKFLOW_VERSION, ensure_ready
 from .batch import _declared, _target
 
 __all__ = ["MAX_RESULT_BYTES", "WORKFLOW_LINKS_OPTION", "WORKFLOW_OPTION", "Group", "Workflow", "Workflows"]
@@ -186,7 +187,8 @@ class Workflow:
         """Write the workflow and send its first stage, in the caller's transaction; the messages sent.
 
         Raises ``NotBound`` with nothing bound (the first step could otherwise run, and finish,
-        before the workflow's rows exist) and ``ConfigurationError`` for an id used before.
+        before the workflow's rows exist), ``SchemaNotReady`` before migration 17 and
+        ``ConfigurationError`` for an id used before.
         """
         conn = bound_connection() or ambient_connection(self._database)
         if conn is None:
@@ -197,6 +199,7 @@ class Workflow:
         check_joinable(conn, self._database, actor_name=self.stages[0][1][0].actor_name)
         failure = self.on_failure
         try:
+            ensure_ready(conn, schema=self._schema, required=WORKFLOW_VERSION, feature="workflows")
             cur = conn.cursor(row_factory=dict_row)
             created = cur.execute(
                 _sql.query("workflow_create", self._schema),

@@ -311,6 +311,8 @@ def test_bad_input_is_refused_before_anything_is_written(
     big = Workflow([step.message(9), step.message(10)], broker=flowing)
     with flowing.transaction():
         big.run()
+    with pytest.raises(ConfigurationError, match="exists already; pass a new id"), flowing.transaction():
+        big.run()
     workflows = next(m for m in flowing.middleware if isinstance(m, Workflows))
     first = dramatiq.broker.MessageProxy(big.stages[0][1][0])
     assert workflows.finish(flowing, first, dead=False, result="x" * 70_000, conn=None) == "failed"
