@@ -359,7 +359,7 @@ class Workflows(Middleware):
         self, broker: Broker, cur: psycopg.Cursor[dict[str, Any]], schema: str, workflow_id: str, stage: int
     ) -> None:
         rows = cur.execute(
-            _sql.query("workflow_stage_feed", schema), {"workflow_id": workflow_id, "stage": stage}
+            _sql.rendered("workflow_stage_feed", schema), {"workflow_id": workflow_id, "stage": stage}
         ).fetchall()
         previous = [r for r in rows if r["stage"] == stage - 1]
         results = [r["result"] for r in previous]
