@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
@@ -254,19 +255,26 @@ def _traceparent() -> str | None:
     return carrier.get("traceparent")
 
 
+#: A NUL escaped by ``json.dumps`` (``\\u0000`` not preceded by an odd run of backslashes).
+_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
 def _result_json(result: Any) -> tuple[Jsonb | None, str | None]:
     """The result as ``jsonb``, or the error that fails the workflow when it cannot be stored."""
     try:
-        text = json.dumps(result, allow_nan=False)
+        text = json.dumps(result, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as error:
         return None, f"a step's result is not JSON ({error}); return ids, numbers, strings, lists or dicts"
-    size = len(text.encode("utf-8", "surrogatepass"))
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        return None, "a step's result holds a lone surrogate, which Postgres cannot store; return valid text"
     if size > MAX_RESULT_BYTES:
         return None, (
             f"a step's result is {size} bytes of JSON, over the limit of {MAX_RESULT_BYTES}; store the data in a table "
             "and return its id"
         )
-    if "\\u0000" in text:
+    if _NUL.search(text):
         return None, "a step's result holds a NUL character, which Postgres cannot store; strip it from the result"
     return Jsonb(result), None
 
