@@ -223,7 +223,9 @@ def test_a_dead_step_fails_the_workflow_or_is_skipped_per_policy(
 
 
 @postgres_only
-def test_a_cancelled_workflow_sends_no_further_step(flowing: Any, queue: str, db_schema: str) -> None:
+def test_a_cancelled_workflow_sends_no_further_step(
+    flowing: Any, queue: str, db_schema: str, database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     @dramatiq.actor(queue_name=queue, broker=flowing)
     def step(n: int, previous: Any = None) -> int:
         return n
@@ -236,6 +238,10 @@ def test_a_cancelled_workflow_sends_no_further_step(flowing: Any, queue: str, db
     assert [job.outcome for job in result.jobs] == ["queue" if isinstance(flowing, PostgresBroker) else "outbox"]
     again = cancel_workflow(flowing.database, db_schema, workflow.id, by="bob")
     assert (again.changed, again.state) == (False, "cancelled")
+    cli = ["--database-url", database_url, "--schema", db_schema, "--yes", "--by", "bob"]
+    assert main(["workflows", "cancel", workflow.id, *cli]) == 0
+    assert "already cancelled; nothing changed" in capsys.readouterr().out
+    assert main(["workflows", "cancel", "no-such-workflow", *cli]) == 7
 
     # A step that was running when the workflow was cancelled finishes, and sends nothing more.
     workflows = next(m for m in flowing.middleware if isinstance(m, Workflows))
