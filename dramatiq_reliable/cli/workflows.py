@@ -110,10 +110,20 @@ def describe(status: WorkflowStatus) -> str:
         lines.append(f"error     {status.error}")
     if status.cancelled_by:
         lines.append(f"cancelled by {status.cancelled_by}")
-    lines.append("")
-    lines.append("stage  step  actor                     state      message id                            result")
-    for step in status.steps:
-        where = f"{step.stage + 1}{'.' + str(step.position + 1) if step.in_group else ''}"
-        result = "-" if step.result is None else json.dumps(step.result)[:40]
-        lines.append(f"{where:<6} {'':<5}{step.actor_name[:25]:<26}{step.state:<11}{step.message_id:<38}{result}")
-    return "\n".join(lines)
+    steps = output.table(
+        ["STAGE", "STEP", "ACTOR", "STATE", "MESSAGE", "RESULT"],
+        [
+            [
+                str(step.stage + 1),
+                str(step.position + 1) if step.in_group else "-",
+                step.actor_name,
+                step.state,
+                step.message_id,
+                "-" if step.result is None else json.dumps(step.result),
+            ]
+            for step in status.steps
+        ],
+        right=(0, 1),
+        fit_last=True,
+    )
+    return "\n".join([*lines, "", steps])
