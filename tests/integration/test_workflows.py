@@ -446,3 +446,29 @@ def test_a_cancel_does_not_wait_for_a_step_in_the_middle_of_finishing_and_that_s
     assert (results[0].changed, results[0].never_sent, results[0].jobs) == (True, 1, ())
     status = workflow_status(flowing.database, db_schema, workflow.id)
     assert (status.state, [s.state for s in status.steps]) == ("cancelled", ["done", "cancelled"])
+
+
+@postgres_only
+def test_children_finishing_at_once_on_eight_threads_send_the_join_step_once_with_every_result(
+    flowing: Any, queue: str, db_schema: str
+) -> None:
+    joined: list[list[int]] = []
+
+    @dramatiq.actor(queue_name=queue, broker=flowing)
+    def child(n: int) -> int:
+        return n * n
+
+    @dramatiq.actor(queue_name=queue, broker=flowing)
+    def join(squares: list[int]) -> None:
+        joined.append(squares)
+
+    workflow = Workflow([Group([child.message(n) for n in range(40)]), join.message()], broker=flowing)
+    with flowing.transaction():
+        workflow.run()
+    worker = dramatiq.Worker(flowing, worker_timeout=20, worker_threads=8)
+    worker.start()
+    try:
+        wait_for(lambda: _state(flowing, db_schema, workflow.id) == "succeeded", timeout_ms=30_000)
+    finally:
+        worker.stop()
+    assert joined == [[n * n for n in range(40)]], "the join step ran twice, or without every child's result"
