@@ -3,6 +3,7 @@
 ::
 
     dramatiq-reliable workflows show ID [--json]
+    dramatiq-reliable workflows list [--state STATE] [--limit N] [--json]
     dramatiq-reliable workflows cancel ID [--by NAME] [--reason TEXT] [--yes] [--json]
 
 Both exit ``NOT_FOUND`` (7) for an id no workflow has, as ``jobs show`` does.
@@ -16,9 +17,10 @@ from collections.abc import Sequence
 
 from ..dead_letters.validators import check_by
 from ..errors import JobNotFound
-from ..workflows import WorkflowStatus, cancel_workflow, workflow_status
+from ..workflows import WorkflowStatus, cancel_workflow, list_workflows, workflow_status
+from ..workflows.state import STATES
 from . import output
-from .common import ExitCode, confirm, connect, open_database, print_error
+from .common import ExitCode, Integer, confirm, connect, open_database, print_error
 
 __all__ = ["register"]
 
@@ -43,6 +45,16 @@ def register(
     show.add_argument("id", help="the workflow's id (Workflow.id)")
     show.add_argument("--json", action="store_true", help="print JSON for scripts")
     show.set_defaults(handler=_show)
+    listing = actions.add_parser(
+        "list",
+        parents=list(parents),
+        help="the newest workflows",
+        description="The newest workflows first, with their state and stage; 'workflows show ID' for the steps.",
+    )
+    listing.add_argument("--state", choices=STATES, help="only workflows in this state")
+    listing.add_argument("--limit", type=Integer(minimum=1, maximum=10_000), default=50, help="how many (default 50)")
+    listing.add_argument("--json", action="store_true", help="print JSON for scripts")
+    listing.set_defaults(handler=_list)
     cancel = actions.add_parser(
         "cancel",
         parents=list(parents),
@@ -69,6 +81,32 @@ def _show(args: argparse.Namespace) -> int:
         output.print_json(status.asdict())
     else:
         print(describe(status))
+    return ExitCode.OK
+
+
+def _list(args: argparse.Namespace) -> int:
+    with connect(args, autocommit=True) as conn:
+        rows = list_workflows(conn, args.schema, state=args.state, limit=args.limit)
+    if args.json:
+        output.print_json([row.asdict() for row in rows])
+        return ExitCode.OK
+    if not rows:
+        print(f"no {args.state or ''} workflows".replace("  ", " "))
+        return ExitCode.OK
+    output.print_table(
+        ["WORKFLOW", "STATE", "STAGE", "CREATED", "ERROR"],
+        [
+            [
+                row.id,
+                row.state,
+                f"{min(row.stage + 1, row.stages)} of {row.stages}",
+                output.ago(row.created_at),
+                row.error or "",
+            ]
+            for row in rows
+        ],
+        fit_last=True,
+    )
     return ExitCode.OK
 
 

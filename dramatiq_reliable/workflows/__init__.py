@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from .batch import BATCH_OPTION, Batch, Batches
-from .state import WorkflowCancel, WorkflowStatus, WorkflowStep, cancel_workflow, workflow_status
+from .state import (
+    WorkflowCancel,
+    WorkflowStatus,
+    WorkflowStep,
+    WorkflowSummary,
+    cancel_workflow,
+    list_workflows,
+    workflow_status,
+)
 from .status import BatchStatus, batch_status
 from .workflow import WORKFLOW_OPTION, Group, Workflow, Workflows
 
@@ -18,8 +26,10 @@ __all__ = [
     "WorkflowCancel",
     "WorkflowStatus",
     "WorkflowStep",
+    "WorkflowSummary",
     "Workflows",
     "batch_status",
     "cancel_workflow",
+    "list_workflows",
     "workflow_status",
 ]

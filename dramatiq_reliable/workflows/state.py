@@ -10,7 +10,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from .. import _sql
-from .._checks import check_text
+from .._checks import check_choice, check_int, check_text
 from ..database import Database, DatabaseLike
 from ..errors import DatabaseUnavailable, JobNotFound
 from ..jobs.cancel import CancelResult, cancel_in_transaction
@@ -21,7 +21,9 @@ __all__ = [
     "WorkflowCancel",
     "WorkflowStatus",
     "WorkflowStep",
+    "WorkflowSummary",
     "cancel_workflow",
+    "list_workflows",
     "step_of",
     "workflow_status",
 ]
@@ -78,6 +80,31 @@ class WorkflowStatus:
         out["waiting_for_replay"] = self.waiting_for_replay
         out["steps"] = [{k: plain(v) for k, v in dataclasses.asdict(step).items()} for step in self.steps]
         return out
+
+
+#: The states a workflow can be in, and what ``list_workflows(state=...)`` takes.
+STATES = ("running", "succeeded", "failed", "cancelled")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkflowSummary:
+    """One row of :func:`list_workflows`: a workflow without its steps."""
+
+    id: str
+    state: str
+    if_step_dies: str
+    stage: int
+    stages: int
+    error: str | None
+    created_at: datetime.datetime
+    finished_at: datetime.datetime | None
+
+    def asdict(self) -> dict[str, Any]:
+        """JSON-ready: timestamps as ISO 8601 strings."""
+        return {
+            f.name: (v.isoformat() if isinstance(v := getattr(self, f.name), datetime.datetime) else v)
+            for f in dataclasses.fields(self)
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,3 +285,31 @@ def step_of(conn: psycopg.Connection[Any], schema: str, message_id: str) -> Step
         workflow_state=row["state"],
         stages=row["stages"],
     )
+
+
+def list_workflows(
+    database: DatabaseLike | psycopg.Connection[Any],
+    schema: str = _sql.DEFAULT_SCHEMA,
+    *,
+    state: str | None = None,
+    limit: int = 50,
+) -> list[WorkflowSummary]:
+    """The newest workflows first (in ``state`` if given), without their steps: the page's list.
+
+    One read by the ``created_at`` index; open one with :func:`workflow_status`.
+    """
+    schema = _sql.validate_schema(schema)
+    if state is not None:
+        check_choice("state", state, STATES)
+    check_int("limit", limit, minimum=1, maximum=10_000, fix="e.g. limit=50")
+
+    def read(conn: psycopg.Connection[Any]) -> list[WorkflowSummary]:
+        rows = (
+            conn.cursor(row_factory=dict_row)
+            .execute(_sql.query("workflow_list", schema), {"state": state, "limit": limit})
+            .fetchall()
+        )
+        return [WorkflowSummary(**row) for row in rows]
+
+    result: list[WorkflowSummary] = _with_conn(database, schema, read)
+    return result

@@ -34,6 +34,7 @@ from dramatiq_reliable.workflows import (
     Workflow,
     Workflows,
     cancel_workflow,
+    list_workflows,
     workflow_status,
 )
 
@@ -139,6 +140,10 @@ def test_results_feed_the_next_step_and_a_group_joins_into_one_step(
     shown = capsys.readouterr().out
     assert "succeeded" in shown and "total" in shown
     assert main(["workflows", "show", "nope", "--database-url", database_url, "--schema", db_schema]) == 7
+    assert [w.id for w in list_workflows(flowing.database, db_schema, state="succeeded")] == [workflow.id]
+    assert list_workflows(flowing.database, db_schema, state="running") == []
+    assert main(["workflows", "list", "--database-url", database_url, "--schema", db_schema]) == 0
+    assert f"{workflow.id}  succeeded  4 of 4" in capsys.readouterr().out
     capsys.readouterr()
     total_id = status.steps[4].message_id
     assert main(["jobs", "show", total_id, "--database-url", database_url, "--schema", db_schema]) == 0

@@ -23,6 +23,8 @@ CREATE TABLE {schema}.workflows (
     CONSTRAINT workflows_if_step_dies CHECK (if_step_dies IN ('fail', 'skip', 'wait')),
     CONSTRAINT workflows_state CHECK (state IN ('running', 'succeeded', 'failed', 'cancelled'))
 );
+-- The newest first, for the list on the page and 'workflows list'.
+CREATE INDEX workflows_created_at ON {schema}.workflows (created_at DESC, id);
 
 -- One row per stage: how many of its steps have not finished yet.  Each step of a group takes
 -- this row's lock for one decrement until it commits; the step that brings it to zero is the
