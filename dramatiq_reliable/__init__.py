@@ -63,7 +63,18 @@ from .scheduler import Scheduler, ScheduleRuns, WorkerScheduler, schedule
 from .schema import migrate, migration_sql
 from .singleton import Singleton, current_lease
 from .tracing import Tracing
-from .workflows import Batch, Batches, BatchStatus, batch_status
+from .workflows import (
+    Batch,
+    Batches,
+    BatchStatus,
+    Group,
+    Workflow,
+    Workflows,
+    WorkflowStatus,
+    batch_status,
+    cancel_workflow,
+    workflow_status,
+)
 
 __all__ = [
     "ActorOptionError",
@@ -87,6 +98,7 @@ __all__ = [
     "DeadLetters",
     "Decision",
     "DeliveryLimitReached",
+    "Group",
     "Idempotency",
     "IdempotencyConflict",
     "IdempotencyKeyError",
@@ -123,10 +135,14 @@ __all__ = [
     "Unrecoverable",
     "WorkerRelay",
     "WorkerScheduler",
+    "Workflow",
+    "WorkflowStatus",
+    "Workflows",
     "batch_status",
     "bind",
     "build_middleware",
     "cancel_job",
+    "cancel_workflow",
     "check_cancelled",
     "checkpoint",
     "classify",
@@ -144,6 +160,7 @@ __all__ = [
     "send_async",
     "send_async_with_options",
     "show_job",
+    "workflow_status",
 ]
 
 try:

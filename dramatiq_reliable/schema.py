@@ -40,6 +40,7 @@ __all__ = [
     "QUEUE_VERSION",
     "RATE_LIMITS_VERSION",
     "SCHEDULER_VERSION",
+    "WORKFLOW_VERSION",
     "Migration",
     "current_version",
     "ensure_ready",
@@ -73,6 +74,8 @@ RATE_LIMITS_VERSION = 13
 ORDER_CONCURRENCY_VERSION = 14
 # Batches and their completion callback (workflows/batch.py): created by 15.
 BATCH_VERSION = 15
+# Workflows: chains of steps and groups (workflows/workflow.py): created by 17.
+WORKFLOW_VERSION = 17
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 

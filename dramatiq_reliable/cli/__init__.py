@@ -40,6 +40,7 @@ from . import (
     schedules,
     status,
     web,
+    workflows,
 )
 from .common import EXIT_CODE_HELP, PROG, ExitCode, Parser, UsageError, common_parents, duration_ms, print_error
 
@@ -89,6 +90,7 @@ def build_parser() -> Parser:
     dead_letters.register(commands, [common])
     jobs.register(commands, [common])
     batches.register(commands, [common])
+    workflows.register(commands, [common])
     schedules.register(commands, [common])
     status.register(commands, [common, rabbit])
     doctor.register(commands, [common, rabbit])

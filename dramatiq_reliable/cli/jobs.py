@@ -22,6 +22,7 @@ from ..dead_letters.validators import check_by
 from ..errors import JobNotFound
 from ..jobs.cancel import ALREADY_CANCELLED, FINISHED, UNKNOWN, cancel_job
 from ..jobs.lookup import LISTABLE_STATES, JobStatus, list_jobs, show_job
+from ..workflows.state import StepOf, step_of
 from . import output
 from .common import ExitCode, Integer, confirm, connect, open_database, print_error
 
@@ -95,14 +96,15 @@ def _show(args: argparse.Namespace) -> int:
         except JobNotFound as error:
             print_error(str(error))
             return ExitCode.NOT_FOUND
+        step = step_of(conn, args.schema, status.message_id)
     if args.json:
-        output.print_json(status.asdict())
+        output.print_json({**status.asdict(), "workflow": None if step is None else step.asdict()})
     else:
-        print(_describe(status))
+        print(_describe(status, step))
     return ExitCode.OK
 
 
-def _describe(status: JobStatus) -> str:
+def _describe(status: JobStatus, step: StepOf | None = None) -> str:
     lines = [("message", status.message_id), ("state", status.state)]
     if status.since is not None:
         lines.append(("since", f"{status.since.isoformat()} ({output.ago(status.since)})"))
@@ -122,6 +124,14 @@ def _describe(status: JobStatus) -> str:
     if status.trace_id:
         lines.append(("trace id", status.trace_id))
     lines.append(("detail", status.detail))
+    if step is not None:
+        lines.append(
+            (
+                "workflow",
+                f"{step.workflow_id} ({step.workflow_state}): stage {step.stage + 1} of {step.stages}, step "
+                f"{step.position + 1}, {step.step_state}; 'dramatiq-reliable workflows show' lists every step",
+            )
+        )
     width = max(len(label) for label, _ in lines)
     return "\n".join(f"{label.ljust(width)}  {value}" for label, value in lines)
 

@@ -173,6 +173,16 @@ def cancel_job(
         ) from error
 
 
+def cancel_in_transaction(
+    conn: psycopg.Connection[Any], schema: str, message_id: str, *, by: str, reason: str | None = None
+) -> CancelResult:
+    """:func:`cancel_job` inside the caller's transaction on ``conn`` (a workflow's cancel: one commit).
+
+    Arguments are not checked here: the caller has checked them, and the schema is ready.
+    """
+    return _cancel(conn, schema, message_id, by, reason)
+
+
 def get_cancellation(conn: psycopg.Connection[Any], schema: str, message_id: str) -> CancelRecord | None:
     """The cancellation of ``message_id``, or ``None`` (for ``jobs show`` and the page)."""
     row = (

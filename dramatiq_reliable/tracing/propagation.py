@@ -31,6 +31,8 @@ TRACE_REPLAY_KEY: Final = "trace_replay"
 # Written by the other parts; read defensively, as they may be absent.
 RETRY_DECISION_KEY: Final = "retry_decision"
 REPLAY_OF_KEY: Final = "replay_of"
+#: W3C traceparents of the group a workflow step joins (workflows/workflow.py writes them).
+WORKFLOW_LINKS_KEY: Final = "workflow_links"
 
 # The previous attempt is a span reference, not a context to propagate: always W3C, whatever
 # propagator the application configured, so baggage is not copied into it.
@@ -101,6 +103,15 @@ def hop_parent(options: Mapping[str, Any], creation: otel_context.Context | None
     if previous is not None and (creation_sc is None or previous.trace_id == creation_sc.trace_id):
         return trace.set_span_in_context(trace.NonRecordingSpan(previous), otel_context.Context())
     return creation
+
+
+def workflow_children(options: Mapping[str, Any]) -> list[SpanContext]:
+    """The span contexts of the group's runs a workflow step joins (none when absent or unparsable)."""
+    values = options.get(WORKFLOW_LINKS_KEY)
+    if not isinstance(values, list):
+        return []
+    found = (span_context_of(_W3C.extract({"traceparent": v})) for v in values if isinstance(v, str))
+    return [sc for sc in found if sc is not None]
 
 
 def replay_count(options: Mapping[str, Any]) -> int | None:

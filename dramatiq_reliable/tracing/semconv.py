@@ -28,6 +28,7 @@ __all__ = [
     "LINK_ROLE_CREATION",
     "LINK_ROLE_ORIGIN",
     "LINK_ROLE_PREVIOUS_ATTEMPT",
+    "LINK_ROLE_WORKFLOW_CHILD",
     "MESSAGING_BATCH_MESSAGE_COUNT",
     "MESSAGING_DESTINATION_NAME",
     "MESSAGING_MESSAGE_BODY_SIZE",
@@ -130,6 +131,8 @@ LINK_ROLE: Final = "dramatiq_reliable.link.role"
 LINK_ROLE_CREATION: Final = "creation"
 LINK_ROLE_ORIGIN: Final = "origin"
 LINK_ROLE_PREVIOUS_ATTEMPT: Final = "previous_attempt"
+#: A workflow step sent after a group links to the run of each of the group's children.
+LINK_ROLE_WORKFLOW_CHILD: Final = "workflow_child"
 
 METRIC_RETRIES: Final = "dramatiq_reliable.retries"
 METRIC_DEAD_LETTERED: Final = "dramatiq_reliable.dead_lettered"

@@ -282,6 +282,10 @@ class SpanRecorder:
                 links.append(Link(origin_sc, {names.LINK_ROLE: names.LINK_ROLE_ORIGIN}))
         if previous_sc is not None:
             links.append(Link(previous_sc, {names.LINK_ROLE: names.LINK_ROLE_PREVIOUS_ATTEMPT}))
+        links.extend(
+            Link(child, {names.LINK_ROLE: names.LINK_ROLE_WORKFLOW_CHILD})
+            for child in propagation.workflow_children(options)
+        )
 
         span = self._tracer.start_span(
             names.span_name(names.OPERATION_PROCESS, destination),
