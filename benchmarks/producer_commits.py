@@ -202,8 +202,10 @@ def measure_commits(
             if round_no % 4 == 0:
                 truncate(conn, schemas, table)  # the three tables stay small and alike
             for index, connections in enumerate(args.connections):
-                producers.measure(0, connections, args.seconds / 3)  # settle; not counted
-                for variant in orders[(round_no + 2 * index) % len(orders)]:
+                order = orders[(round_no + 2 * index) % len(orders)]
+                # Settle (not counted) on the table that runs first, so no table is favoured.
+                producers.measure(order[0], connections, args.seconds / 3)
+                for variant in order:
                     runs[VARIANTS[variant]][connections].append(producers.measure(variant, connections, args.seconds))
             log(
                 f"   round {round_no + 1}: "
@@ -610,33 +612,34 @@ def postgres_broker_case(admin: psycopg.Connection[Any], base: str, args: argpar
                     f"{measured[3]:,.0f} claims/s"
                 )
 
-        def med(variant: str, index: int) -> float:
-            return statistics.median(m[index] for m in latency[variant])
+        def med(variant: str, index: int) -> float | None:
+            return statistics.median(m[index] for m in latency[variant]) if latency[variant] else None
+
+        def rounded(value: float | None) -> float | None:
+            return None if value is None else round(value, 2)
+
+        def latency_spread(index: int) -> list[float] | None:
+            ours = [m[index] for m in latency["ours"]]
+            return [round(min(ours), 2), round(max(ours), 2)] if ours else None
 
         log(f"7. PostgresBroker: first message after an idle, {args.idle_samples} samples")
         wakes = pg_idle_wake(broker, sender, queue, args.idle_samples)
         log(f"   {', '.join(f'{w:.0f}' for w in wakes)} ms (ceiling {broker.poll_interval_ms} ms)")
         results = {
             "pg_commit_ratio_min": round(min(ratios.values()), 3) if ratios else None,
-            "pg_latency_p50_ms": round(med("ours", 0), 2),
-            "pg_latency_p99_ms": round(med("ours", 1), 2),
+            "pg_latency_p50_ms": rounded(med("ours", 0)),
+            "pg_latency_p99_ms": rounded(med("ours", 1)),
             **{f"pg_commit_ratio_{n}": round(r, 3) for n, r in ratios.items()},
             **{f"pg_commit_ratio_{n}_spread": [round(lo, 3), round(hi, 3)] for n, (lo, hi) in spread.items()},
             "pg_old_trigger_ratio_min": round(min(old_ratios.values()), 3) if old_ratios else None,
             **{f"pg_old_trigger_ratio_{n}": round(r, 3) for n, r in old_ratios.items()},
             "pg_commits_per_s": {v: {str(n): round(rate) for n, rate in median[v].items()} for v in VARIANTS},
-            "pg_latency_p50_ms_spread": [
-                round(min(m[0] for m in latency["ours"]), 2),
-                round(max(m[0] for m in latency["ours"]), 2),
-            ],
-            "pg_latency_p99_ms_spread": [
-                round(min(m[1] for m in latency["ours"]), 2),
-                round(max(m[1] for m in latency["ours"]), 2),
-            ],
+            "pg_latency_p50_ms_spread": latency_spread(0),
+            "pg_latency_p99_ms_spread": latency_spread(1),
             "pg_latency_undelivered": sum(m[2] for v in latency.values() for m in v),
-            "pg_old_trigger_latency_p50_ms": round(med("old_trigger", 0), 2),
-            "pg_old_trigger_latency_p99_ms": round(med("old_trigger", 1), 2),
-            "pg_steady_claims_per_s": round(med("ours", 3)),
+            "pg_old_trigger_latency_p50_ms": rounded(med("old_trigger", 0)),
+            "pg_old_trigger_latency_p99_ms": rounded(med("old_trigger", 1)),
+            "pg_steady_claims_per_s": rounded(med("ours", 3)),
             "pg_idle_wake_ms_median": round(statistics.median(wakes), 1) if wakes else None,
             "pg_idle_wake_ms_max": round(max(wakes), 1) if wakes else None,
             "pg_poll_interval_ms": broker.poll_interval_ms,
