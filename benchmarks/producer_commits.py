@@ -2,7 +2,7 @@
 
     python benchmarks/producer_commits.py [--rounds 24] [--seconds 0.3] [--connections 1,4,16]
         [--latency-rounds 2] [--latency-seconds 5] [--rate 500] [--idle-samples 4] [--poll-interval-ms N]
-        [--cases outbox,pg]
+        [--cases outbox,pg] [--interleave 1]
 
 A default run takes about 200 s (100 s with ``--cases pg``); raise --rounds and --latency-rounds for steadier figures.
 
@@ -205,8 +205,14 @@ def measure_commits(
                 order = orders[(round_no + 2 * index) % len(orders)]
                 # Settle (not counted) on the table that runs first, so no table is favoured.
                 producers.measure(order[0], connections, args.seconds / 3)
+                # A slice is cut into --interleave parts run in turn (ABC CBA ...), so a burst of
+                # load from other work lands on every table alike instead of on one.
+                rates = dict.fromkeys(order, 0.0)
+                for part in range(args.interleave):
+                    for variant in order if part % 2 == 0 else order[::-1]:
+                        rates[variant] += producers.measure(variant, connections, args.seconds / args.interleave)
                 for variant in order:
-                    runs[VARIANTS[variant]][connections].append(producers.measure(variant, connections, args.seconds))
+                    runs[VARIANTS[variant]][connections].append(rates[variant] / args.interleave)
             log(
                 f"   round {round_no + 1}: "
                 + "; ".join(
@@ -660,6 +666,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=24, help="interleaved rounds of the commit benchmark")
     parser.add_argument("--seconds", type=float, default=0.3, help="length of one commit slice")
+    parser.add_argument(
+        "--interleave", type=int, default=1, help="parts each commit slice is cut into, run in turn across tables"
+    )
     parser.add_argument(
         "--connections", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16], help="e.g. 1,4,16"
     )

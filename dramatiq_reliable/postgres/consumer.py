@@ -2,8 +2,8 @@
 
 Producers send consumers nothing: a queue insert that notified would take Postgres's
 cluster-wide NOTIFY lock at commit and serialise every producer's commit with every other's
-(the 10-25% tax measured before migration 18 dropped the queue trigger, the same reason
-migration 6 dropped the outbox's).  Instead each consumer polls for itself, as the outbox relay
+(a fifth of the commits at 1 connection and most of them at 16 before migration 18 dropped
+the queue trigger, docs/performance.md; migration 6 dropped the outbox's for the same reason).  Instead each consumer polls for itself, as the outbox relay
 does (:mod:`dramatiq_reliable.outbox.wake`): a claim that found rows claims again at once; an
 empty one sleeps a short, slowly growing, jittered delay (about 1 ms first, a quarter longer
 each time) up to the broker's ``poll_interval_ms``.  While messages flow, a committed row is
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from dramatiq.broker import Consumer, MessageProxy
-from dramatiq.common import xq_name
+from dramatiq.common import q_name, xq_name
 from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
 from psycopg import sql
@@ -85,7 +85,9 @@ def wake_consumers(
     ...     wake_consumers(conn, schema=broker.schema, queue_name="default")
     """
     name = _sql.validate_schema(schema)
-    conn.execute(_sql.query("queue_wake", name), {"channel": channel(name), "queue_name": queue_name or ""})
+    # Consumers are registered under the canonical name: a ".DQ" name wakes its queue.
+    payload = q_name(queue_name) if queue_name else ""
+    conn.execute(_sql.query("queue_wake", name), {"channel": channel(name), "queue_name": payload})
 
 
 class Listener:
