@@ -245,8 +245,8 @@ def _pooler(database_url: str, conn: psycopg.Connection[Any], settings: dict[str
             f"a pooler in transaction mode sits before Postgres: it disables {_POOLER_DISABLES}; "
             "session advisory locks: none of ours (all are transaction-level)",
             "point the relay, PostgresBroker's workers and the flow middleware at a direct Postgres URL (they "
-            "LISTEN), or accept polling (the relay's poll_interval_ms and the workers' worker_timeout bound the "
-            "wait); sends, idempotency and migrate work through the pooler",
+            "LISTEN), or accept polling (the relay's and PostgresBroker's poll_interval_ms bound the wait); "
+            "sends, idempotency and migrate work through the pooler",
             details,
         )
     if server is not None and dialled != server:

@@ -391,6 +391,10 @@ class RowSending:
         """Write the row unless another message holds ``key`` (see :func:`dramatiq_reliable.dedupe.insert_row`)."""
         return _dedupe.insert_row(conn, _sql.rendered(self.insert_dedupe_query, self.schema), row, key, window_ms)
 
+    def _written(self, row: Row) -> None:
+        """The row was written (committed in autocommit, else pending the caller's commit): a
+        broker whose consumers run in this process may wake them."""
+
     def _write_held(self, conn: psycopg.Connection[Any], message: Message[Any], row: Row) -> bool:
         """Write a worker's send of the message it holds some other way (True: done)."""
         return False
@@ -512,16 +516,19 @@ class RowSending:
         with self._write_errors(row):
             if dedupe is None:
                 await conn.execute(_sql.rendered(self.insert_query, self.schema), row)
-                return message.message_id
-            key, window_ms = dedupe
-            cursor = conn.cursor(row_factory=dict_row)
-            await cursor.execute(
-                _sql.rendered(self.insert_dedupe_query, self.schema),
-                {**row, "dedupe_key": key, "window_ms": window_ms},
-            )
-            found = await cursor.fetchone()
-            assert found is not None  # INSERT ... ON CONFLICT DO UPDATE returns its row
-            return str(found["message_id"])
+                first = message.message_id
+            else:
+                key, window_ms = dedupe
+                cursor = conn.cursor(row_factory=dict_row)
+                await cursor.execute(
+                    _sql.rendered(self.insert_dedupe_query, self.schema),
+                    {**row, "dedupe_key": key, "window_ms": window_ms},
+                )
+                found = await cursor.fetchone()
+                assert found is not None  # INSERT ... ON CONFLICT DO UPDATE returns its row
+                first = str(found["message_id"])
+        self._written(row)
+        return first
 
     def _check_schemas_pooled(self, dedupe: bool) -> None:
         with self.database.autocommit() as conn:
@@ -538,9 +545,12 @@ class RowSending:
         with self._write_errors(row):
             if dedupe is None:
                 self._insert(conn, row)
-                return message.message_id
-            # One statement: the key and the row commit together, in autocommit too.
-            return self._insert_deduped(conn, row, *dedupe)
+                first = message.message_id
+            else:
+                # One statement: the key and the row commit together, in autocommit too.
+                first = self._insert_deduped(conn, row, *dedupe)
+        self._written(row)
+        return first
 
     def _check_schemas(self, conn: psycopg.Connection[Any], dedupe: bool) -> None:
         if not self._checked_schema:

@@ -98,7 +98,7 @@ class RateLimits(Middleware):
       hold_ms: a token due within this many ms is waited for in the worker thread (default
         200); a later one postpones the job through the queue to ``hold_ms`` before its token,
         and the thread waits out the rest.  Consumers find a due message only when they poll
-        (``worker_timeout``), so without the wait in place calls would start up to a poll late
+        (``worker_timeout``; ``PostgresBroker``'s ``poll_interval_ms``), so without the wait in place calls would start up to a poll late
         and bunch.  ``hold_ms=0`` never holds a thread; calls may then bunch by one poll.
 
     Postgres unreachable while taking a token fails closed: the actor does not run and

@@ -1,9 +1,27 @@
-"""Consumers of Postgres queues: claims with SKIP LOCKED, woken by LISTEN/NOTIFY, polling as a fallback.
+"""Consumers of Postgres queues: claims with SKIP LOCKED, each consumer waking itself.
 
-One listener thread per broker holds the ``LISTEN`` connection and wakes the consumers of the
-queue a notification names; a consumer that hears nothing claims again after Dramatiq's
-``worker_timeout`` anyway, so a lost notification (the listener reconnecting, a row that
-became visible when its eta or a lease passed) delays a message by at most that long.
+Producers send consumers nothing: a queue insert that notified would take Postgres's
+cluster-wide NOTIFY lock at commit and serialise every producer's commit with every other's
+(a fifth of the commits at 1 connection and most of them at 16 before migration 18 dropped
+the queue trigger, docs/performance.md; migration 6 dropped the outbox's for the same reason).  Instead each consumer polls for itself, as the outbox relay
+does (:mod:`dramatiq_reliable.outbox.wake`): a claim that found rows claims again at once; an
+empty one sleeps a short, slowly growing, jittered delay (about 1 ms first, a quarter longer
+each time) up to the broker's ``poll_interval_ms``.  While messages flow, a committed row is
+claimed within a few milliseconds whichever process or plain SQL statement inserted it; the
+first row after a long idle waits at most ``poll_interval_ms``.  No wake-up can be lost for
+longer than that, since the poll is the mechanism, not a fallback.
+
+Three things end a sleep early and start the backoff again from 1 ms:
+
+* a send by this process (``PostgresBroker`` wakes its own consumers of the queue: free, no
+  round trip; a send in a transaction still to commit is found by the fast probes that follow);
+* a lease given back or acked in this process (room under the prefetch);
+* a ``NOTIFY`` on ``"<schema>.queue"`` heard by the broker's one ``LISTEN`` connection, with a
+  queue name as payload (that queue) or an empty one (every queue): for a bulk load or an
+  operator's script, which pay the commit lock once per batch (:func:`wake_consumers`).
+
+Behind PgBouncer in transaction mode without ``listen_database`` no ``LISTEN`` is held and only
+explicit notifications are lost: consumers find rows exactly as fast.
 
 Consumers claim nothing until the broker's :class:`~.readiness.SchemaGate` finds the queue
 table: on an unmigrated schema a worker logs one error and waits for the migration.
@@ -20,22 +38,24 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from dramatiq.broker import Consumer, MessageProxy
-from dramatiq.common import xq_name
+from dramatiq.common import q_name, xq_name
 from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
 from psycopg import sql
 from psycopg_pool import PoolTimeout
 
+from .. import _sql
 from .._util import first_line
 from ..database import Database, DatabaseLike
 from ..errors import ConfigurationError
+from ..outbox.wake import FIRST_IDLE_S, idle_delay_s
 from ..pooler import listen_target
 from . import queue
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
 
-__all__ = []
+__all__ = ["wake_consumers"]
 
 logger = logging.getLogger("dramatiq_reliable.postgres")
 
@@ -43,13 +63,37 @@ _DB_ERRORS = (psycopg.Error, PoolTimeout)
 
 
 def channel(schema: str) -> str:
-    """The NOTIFY channel of new queue rows in ``schema``: ``"<schema>.queue"``."""
+    """The NOTIFY channel the consumers of ``schema`` listen on: ``"<schema>.queue"``."""
     return f"{schema}.queue"
+
+
+def wake_consumers(
+    conn: psycopg.Connection[Any], *, schema: str = _sql.DEFAULT_SCHEMA, queue_name: str | None = None
+) -> None:
+    """Wake the idle consumers of ``queue_name`` (of every queue when ``None``) in every worker now.
+
+    Sends never need it: a consumer finds committed rows by itself within the broker's
+    ``poll_interval_ms`` (milliseconds while messages flow).  It is for rows written around the
+    broker that should not wait out a long ``poll_interval_ms`` after an idle spell: a bulk
+    load, a script's plain ``INSERT``.  Sent on ``conn``: inside a transaction it is delivered
+    when that transaction commits (never if it rolls back), so call it in the transaction that
+    wrote the rows, once per batch; notifying takes a server-wide lock at commit, which is the
+    tax a NOTIFY per producer transaction would put on every producer.
+
+    >>> with broker.transaction() as conn:                  # doctest: +SKIP
+    ...     load_many_rows(conn)
+    ...     wake_consumers(conn, schema=broker.schema, queue_name="default")
+    """
+    name = _sql.validate_schema(schema)
+    # Consumers are registered under the canonical name: a ".DQ" name wakes its queue.
+    payload = q_name(queue_name) if queue_name else ""
+    conn.execute(_sql.query("queue_wake", name), {"channel": channel(name), "queue_name": payload})
 
 
 class Listener:
     """The broker's one ``LISTEN`` connection, turning notifications into per-queue wake-ups.
 
+    A notification's payload names the queue to wake; an empty one wakes every queue.
     ``on_notify`` is called before the wake-up of every notification (the broker's schema gate:
     a notification proves the queue table exists).  ``listen_database`` holds the ``LISTEN``
     connection when ``database`` is behind a transaction pooler; without it, there, no listener
@@ -118,7 +162,7 @@ class Listener:
                 if target is None:
                     target = listen_target(self.database, self.listen_database, who="PostgresBroker's queue listener")
                     if target is None:
-                        return  # behind a transaction pooler: the consumers poll every worker_timeout
+                        return  # behind a transaction pooler: the consumers only poll
                 with target.connect(autocommit=True) as conn:
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
                     self.listening.set()
@@ -129,7 +173,10 @@ class Listener:
                         for notify in conn.notifies(timeout=0.5):
                             if self._on_notify is not None:
                                 self._on_notify()
-                            self.wake(notify.payload)
+                            if notify.payload:
+                                self.wake(notify.payload)
+                            else:
+                                self.wake_all()
             except psycopg.Error as error:
                 self.listening.clear()
                 if self._stop.is_set():
@@ -177,6 +224,8 @@ class PostgresConsumer(Consumer):
         self._buffer: collections.deque[PostgresMessage] = collections.deque()
         self._wake = threading.Event()
         self._token = broker._lease_tokens
+        # Consecutive empty claims: the next idle sleep grows with it (see the module docstring).
+        self._empty_claims = 0
         broker.listener.register(queue_name, self._wake)
 
     def __next__(self) -> PostgresMessage | None:
@@ -185,14 +234,22 @@ class PostgresConsumer(Consumer):
             if self._buffer:
                 return self._buffer.popleft()
             self._wake.clear()
+            sleep_s: float | None = None  # None: until woken (no room, or the schema is not ready)
             if self._schema_ready():
                 free = self.prefetch - self.broker.leases.held_count(self.queue_name)
-                if free > 0 and self._claim(min(free, self.broker.claim_batch_size)):
-                    continue
+                if free > 0:
+                    if self._claim(min(free, self.broker.claim_batch_size)):
+                        self._empty_claims = 0
+                        continue
+                    sleep_s = idle_delay_s(
+                        self._empty_claims, ceiling_s=self.broker.poll_interval_ms / 1000, first_s=FIRST_IDLE_S
+                    )
+                    self._empty_claims += 1
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            self._wake.wait(remaining)
+            if self._wake.wait(remaining if sleep_s is None else min(sleep_s, remaining)):
+                self._empty_claims = 0  # a send or a release here: the row is near, probe fast again
 
     def _schema_ready(self) -> bool:
         try:

@@ -28,9 +28,9 @@ logger = logging.getLogger("dramatiq_reliable.postgres")
 #: The first check after the table was found missing comes this soon, in case the migration
 #: runs right after the worker starts; each later one waits twice as long as the one before ...
 FIRST_RECHECK_MS = 1_000
-#: ... up to this, so a migration is noticed within half a minute even when no message is sent.
-#: (A message sent after the migration is noticed at once: its notification calls
-#: :meth:`SchemaGate.nudge`.)
+#: ... up to this, so a migration is noticed within half a minute at worst.  (Migration 18 sends
+#: one notification as it commits, which calls :meth:`SchemaGate.nudge`: a worker waiting for a
+#: fresh install's migration notices it at once.)
 MAX_RECHECK_MS = 30_000
 #: While the table stays missing, the error is logged again this often: it stays on the last
 #: page of a worker's log without flooding it.
@@ -85,7 +85,9 @@ class SchemaGate:
     def nudge(self) -> None:
         """Check at the next :meth:`is_open` instead of waiting for the next due check.
 
-        The queue table's trigger sent a notification, so the table is there now.
+        A notification arrived on the queue channel (the migration that dropped the queue
+        trigger sends one as it commits, and :func:`~.consumer.wake_consumers` sends them), so
+        the table is probably there now.
         """
         self._next_check_at = 0.0
 

@@ -60,3 +60,9 @@ def test_purge_dead_refuses_bad_arguments_before_any_sql(options: dict[str, Any]
     arguments: dict[str, Any] = {"older_than_ms": 1000, **options}
     with pytest.raises(ConfigurationError, match=named):
         purge_dead(object(), **arguments)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [0, -5, 2.5, True, "250"])
+def test_a_bad_poll_interval_is_refused_with_the_fix(value: Any) -> None:
+    with pytest.raises(ConfigurationError, match=r"poll_interval_ms.*e\.g\. poll_interval_ms=250"):
+        PostgresBroker(database="postgresql://nobody@127.0.0.1:1/none", poll_interval_ms=value)
