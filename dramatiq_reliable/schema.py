@@ -40,6 +40,7 @@ __all__ = [
     "QUEUE_VERSION",
     "RATE_LIMITS_VERSION",
     "SCHEDULER_VERSION",
+    "SINGLETON_VERSION",
     "Migration",
     "current_version",
     "ensure_ready",
@@ -73,6 +74,8 @@ RATE_LIMITS_VERSION = 13
 ORDER_CONCURRENCY_VERSION = 14
 # Batches and their completion callback (workflows/batch.py): created by 15.
 BATCH_VERSION = 15
+# Singleton acquires without a WAL flush of their own, guarded by an unlogged crash marker: created by 19.
+SINGLETON_VERSION = 19
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
