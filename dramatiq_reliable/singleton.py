@@ -24,12 +24,13 @@ overlap unnoticed, for four reasons:
 2. Such a crash empties the one-row UNLOGGED ``singleton_guard`` table (Postgres resets
    unlogged tables after a crash, an immediate shutdown, on a promoted standby and in a base
    backup).  The first acquire that finds the row missing starts a *quarantine*, committed
-   with a flush: no key is handed out for ``lease_ms``.  A lease lost in the crash would
-   have lapsed by then anyway, so no run can start that a flushed lease would have kept out.
-3. The heartbeat of a run whose lease row is gone puts it back (same key and token, flushed)
-   when no one holds the key, which the quarantine ensures for several heartbeats: a run that
-   outlives the crash keeps its key, as it would have with a flushed acquire.  A run that cannot
-   reach Postgres for ``lease_ms`` loses its lease, exactly as before: ``SingletonLeaseLost``.
+   with a flush: no key is handed out for ``lease_ms``.
+3. Within the quarantine, the heartbeat (every ``lease_ms / 3``) of a run whose lease row is
+   gone, or is back to the lapsed lease it had taken over, puts it back: same key and token,
+   flushed, provided no live or later lease holds the key and its own lease cannot have lapsed
+   yet.  So a run that outlives the crash keeps its key, as it would have with a flushed
+   acquire; a run that cannot renew for ``lease_ms`` loses it, as a flushed lease would have
+   lapsed by then too (``SingletonLeaseLost``, and fencing protects its writes).
 4. Fencing tokens stay monotonic: a crash can make the ``singleton_tokens`` sequence give out
    again the numbers of lost acquires, so the quarantine moves it ``2**32`` ahead (with a
    flush), far past any number handed out in the few hundred milliseconds a crash can lose.

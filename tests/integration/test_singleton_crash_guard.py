@@ -79,17 +79,21 @@ def test_after_a_crash_no_key_is_handed_out_for_lease_ms_and_the_lost_run_gets_i
     assert 0 < postponed["delay_ms"] <= LEASE_MS
     assert broker.queues["crash_guard.DQ"].qsize() == 1
 
-    # The run that lost its row in the crash is still going: its heartbeat puts the row back.
+    # The run that lost its row in the crash is still going: its heartbeat puts the row back,
+    # a live lease with the run's own token.
     middleware.renew(broker)
     assert _token(db, db_schema, "a") == lost.token and not lost.lost
+    (live,) = db.execute(
+        sql.SQL("SELECT expires_at > now() FROM {} WHERE key = 'a'").format(
+            sql.Identifier(db_schema, "singleton_leases")
+        )
+    ).fetchone()
+    assert live
 
     # After the quarantine, new leases carry tokens past any a lost acquire could have had...
     wait_for(lambda: _try(broker, middleware, job, "b"), timeout_ms=5000, message="the quarantine never ended")
     after = current_lease()
     assert after is not None and after.token > lost.token + TOKEN_GAP
-    # ...and the reclaimed key is still held by the run that outlived the crash.
-    with pytest.raises(SkipMessage, match="held"):
-        _start(broker, middleware, job, "a")
 
 
 def _try(broker: StubBroker, middleware: Singleton, job: dramatiq.Actor[Any, Any], key: str) -> bool:
@@ -135,3 +139,26 @@ def test_a_released_run_is_never_put_back_by_a_heartbeat_that_raced_it(setup, db
     middleware.after_process_message(broker, message)
     middleware.renew(broker)
     assert _token(db, db_schema, "a") is None
+
+
+def test_a_takeover_of_a_lapsed_lease_lost_in_a_crash_is_taken_over_again_by_the_heartbeat(setup, db, db_schema):
+    broker, middleware, job = setup
+    leases = sql.Identifier(db_schema, "singleton_leases")
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (key, token, message_id, owner, expires_at) "
+            "VALUES ('a', 1, 'dead-run', 'dead-host', now() - interval '1 minute')"
+        ).format(leases)
+    )
+    _start(broker, middleware, job, "a")
+    lease = current_lease()
+    assert lease is not None and _token(db, db_schema, "a") == lease.token
+    # The crash brings back the lapsed row the takeover had replaced.
+    db.execute(
+        sql.SQL("UPDATE {} SET token = 1, message_id = 'dead-run', expires_at = now() - interval '1 minute'").format(
+            leases
+        )
+    )
+    _crash(db, db_schema)
+    middleware.renew(broker)
+    assert _token(db, db_schema, "a") == lease.token and not lease.lost
