@@ -15,7 +15,9 @@
    with ``singleton=True`` under the ``Singleton`` middleware and, in the same run, as a plain
    actor, interleaved over ``--rounds`` rounds (plain, singleton, plain, ...: both see the same
    machine load); ``singleton_ratio`` is the median over the rounds of singleton throughput /
-   plain throughput (1.0 = free), ``singleton_ratio_spread`` its [min, max].
+   plain throughput (1.0 = free), ``singleton_ratio_spread`` its [min, max].  A third actor runs
+   the middleware's acquire and release statements itself, on its own connection, around the
+   same INSERT: ``singleton_ceiling_ratio`` is what no middleware taking a lease row can beat.
 
 Each part uses its own schema, dropped at the end.  The last line printed is one JSON object.
 """
@@ -37,8 +39,9 @@ import dramatiq
 import psycopg
 from dramatiq.brokers.stub import StubBroker
 from psycopg import sql
+from psycopg.rows import dict_row
 
-from dramatiq_reliable import Database, Singleton, migrate
+from dramatiq_reliable import Database, Singleton, _sql, migrate
 from dramatiq_reliable.scheduler import Registry, Schedule, Scheduler
 
 # Long enough that the tick after F is not due before every loop is done, short enough to wait for.
@@ -157,16 +160,35 @@ def bench_singleton(messages: int, rounds: int) -> dict[str, Any]:
                 conn = local.conn = psycopg.connect(DATABASE_URL, autocommit=True)
             conn.execute(insert, (n,))
 
+        acquire, release = _sql.rendered("singleton_acquire", schema), _sql.rendered("singleton_release_plain", schema)
+
+        def inline(n: int) -> None:
+            """The ceiling: the middleware's two statements run by the actor on its own connection."""
+            conn = getattr(local, "conn", None)
+            if conn is None:
+                conn = local.conn = psycopg.connect(DATABASE_URL, autocommit=True)
+            params = {"key": "inline", "tokens": f'"{schema}"."singleton_tokens"', "message_id": str(n)}
+            row = (
+                conn.cursor(row_factory=dict_row)
+                .execute(acquire, {**params, "owner": "bench", "lease_ms": 30_000})
+                .fetchone()
+            )
+            if row is None or row["token"] is None:
+                raise RuntimeError("the inline lease was held: only one inline run may go at a time")
+            conn.execute(insert, (n,))
+            conn.execute(release, {"key": "inline", "token": row["token"]})
+
         broker = StubBroker()
         broker.add_middleware(Singleton(database=DATABASE_URL, schema=schema))
         plain = dramatiq.actor(effect, actor_name="plain", queue_name="plain", broker=broker)
         single = dramatiq.actor(effect, actor_name="single", queue_name="single", broker=broker, singleton=True)
+        ceiling = dramatiq.actor(inline, actor_name="inline", queue_name="inline", broker=broker)
         worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=10)
         worker.start()
-        rates: dict[str, list[float]] = {"plain": [], "single": []}
+        rates: dict[str, list[float]] = {"plain": [], "single": [], "inline": []}
         try:
             for _ in range(rounds):  # interleaved rounds: both sides see the same machine load
-                for name, actor in (("plain", plain), ("single", single)):
+                for name, actor in (("plain", plain), ("single", single), ("inline", ceiling)):
                     for n in range(messages):
                         actor.send(n)
                     started = time.perf_counter()
@@ -178,11 +200,14 @@ def bench_singleton(messages: int, rounds: int) -> dict[str, Any]:
             broker.close()
         plain_rate, single_rate = statistics.median(rates["plain"]), statistics.median(rates["single"])
         ratios = [single / plain for plain, single in zip(rates["plain"], rates["single"], strict=True)]
+        ceilings = [inline / plain for plain, inline in zip(rates["plain"], rates["inline"], strict=True)]
         return {
             "plain_per_s": round(plain_rate, 1),
             "singleton_per_s": round(single_rate, 1),
             "singleton_ratio": round(statistics.median(ratios), 3),
             "singleton_ratio_spread": [round(min(ratios), 3), round(max(ratios), 3)],
+            # the acquire and release statements run by the actor itself: no middleware can beat it
+            "singleton_ceiling_ratio": round(statistics.median(ceilings), 3),
         }
     finally:
         _drop(schema)
