@@ -35,6 +35,10 @@ overlap unnoticed, for four reasons:
    again the numbers of lost acquires, so the quarantine moves it ``2**32`` ahead (with a
    flush), far past any number handed out in the few hundred milliseconds a crash can lose.
 
+The quarantine lasts the ``lease_ms`` of the process that starts it: give every ``Singleton``
+on one schema the same ``lease_ms`` (a process whose heartbeat is more than a quarantine apart,
+``lease_ms / 3`` above the other's ``lease_ms``, could be too late to take its lease back).
+
 Messages sent during a quarantine are postponed until it ends, whatever ``when_held`` says:
 the key is not known to be held, so skipping or buffering would drop work.  The other writes
 keep their flush: a buffered message, clearing it, the heartbeat's renewals and the
