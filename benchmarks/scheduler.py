@@ -1,15 +1,23 @@
 """Scheduler and singleton benchmark: how fast due ticks reach the outbox, and what a lease costs.
 
-    python benchmarks/scheduler.py [--schedules 10000] [--messages 2000]
+    python benchmarks/scheduler.py [--schedules 10000] [--messages 2000] [--rounds 3] [--loop-rounds 2]
 
 1. ``--schedules`` schedules (every 20 s) are all due at the same second F.  One, then three scheduler loops
    (the library's ``Scheduler``, each in a process of its own so the GIL is not what is measured)
    claim and fire them; each run in a fresh schema.  Reported: ticks/s (schedules / seconds from
    F to the last loop done) and the lag from F to the tick's outbox row ``created_at`` (p50/p99;
-   ``created_at`` is the firing transaction's start).  Every tick must reach the outbox exactly once.
+   ``created_at`` is the firing transaction's start), and ``lag_commit_*``: from F to the end of
+   the commit that made the tick visible to a relay (what a consumer waits for; a pass's
+   ticks all become visible at its commit).  Every tick must reach the outbox exactly once.
+   ``--loop-rounds`` rounds alternate 1 loop and 3 loops; medians are reported, with the
+   ``_spread`` [min, max] of the p99 over the rounds.
 2. One actor doing one INSERT, run ``--messages`` times by a one-thread worker on a StubBroker,
    with ``singleton=True`` under the ``Singleton`` middleware and, in the same run, as a plain
-   actor; ``singleton_ratio`` is singleton throughput / plain throughput (1.0 = free).
+   actor, interleaved over ``--rounds`` rounds (plain, singleton, plain, ...: both see the same
+   machine load); ``singleton_ratio`` is the median over the rounds of singleton throughput /
+   plain throughput (1.0 = free), ``singleton_ratio_spread`` its [min, max].  A third actor runs
+   the middleware's acquire and release statements itself, on its own connection, around the
+   same INSERT: ``singleton_ceiling_ratio`` is what no middleware taking a lease row can beat.
 
 Each part uses its own schema, dropped at the end.  The last line printed is one JSON object.
 """
@@ -31,8 +39,9 @@ import dramatiq
 import psycopg
 from dramatiq.brokers.stub import StubBroker
 from psycopg import sql
+from psycopg.rows import dict_row
 
-from dramatiq_reliable import Database, Singleton, migrate
+from dramatiq_reliable import Database, Singleton, _sql, migrate
 from dramatiq_reliable.scheduler import Registry, Schedule, Scheduler
 
 # Long enough that the tick after F is not due before every loop is done, short enough to wait for.
@@ -67,9 +76,12 @@ def _loop(schema: str, start_at: float, done: Any) -> None:
     scheduler.tick_once()  # opens the pool and checks the schema; nothing is due yet
     time.sleep(max(0.0, start_at - time.time()))
     empty = 0
+    visible: list[tuple[float, int]] = []  # (time the pass's commit returned, ticks it fired)
     while empty < 2:
-        empty = empty + 1 if scheduler.tick_once().claimed == 0 else 0
-    done.put(time.time())
+        result = scheduler.tick_once()
+        visible.append((time.time(), result.fired))
+        empty = empty + 1 if result.claimed == 0 else 0
+    done.put((time.time(), visible))
     scheduler.close()
 
 
@@ -96,9 +108,11 @@ def bench_loops(schedules: int, loops: int) -> dict[str, float]:
         processes = [context.Process(target=_loop, args=(schema, fire_at, done)) for _ in range(loops)]
         for process in processes:
             process.start()
-        finished = [done.get(timeout=600) for _ in processes]
+        reports = [done.get(timeout=600) for _ in processes]
         for process in processes:
             process.join()
+        finished = [end for end, _ in reports]
+        commit_lags = [(at - fire_at) * 1000 for _, passes in reports for at, fired in passes for _ in range(fired)]
         with psycopg.connect(DATABASE_URL) as conn:
             lags = [
                 float(r[0]) * 1000
@@ -119,6 +133,8 @@ def bench_loops(schedules: int, loops: int) -> dict[str, float]:
             "ticks_per_s": round(schedules / elapsed, 1),
             "lag_p50_ms": round(statistics.median(lags), 1),
             "lag_p99_ms": round(_percentile(lags, 0.99), 1),
+            "lag_commit_p50_ms": round(statistics.median(commit_lags), 1),
+            "lag_commit_p99_ms": round(_percentile(commit_lags, 0.99), 1),
             # created_at is the firing transaction's start: this is when the last tick was committed
             "all_fired_ms": round(elapsed * 1000, 1),
         }
@@ -129,7 +145,7 @@ def bench_loops(schedules: int, loops: int) -> dict[str, float]:
 # -- part 2: singleton overhead -----------------------------------------------------------------
 
 
-def bench_singleton(messages: int) -> dict[str, float]:
+def bench_singleton(messages: int, rounds: int) -> dict[str, Any]:
     schema = _schema()
     try:
         migrate(DATABASE_URL, schema=schema)
@@ -144,16 +160,35 @@ def bench_singleton(messages: int) -> dict[str, float]:
                 conn = local.conn = psycopg.connect(DATABASE_URL, autocommit=True)
             conn.execute(insert, (n,))
 
+        acquire, release = _sql.rendered("singleton_acquire", schema), _sql.rendered("singleton_release_plain", schema)
+
+        def inline(n: int) -> None:
+            """The ceiling: the middleware's two statements run by the actor on its own connection."""
+            conn = getattr(local, "conn", None)
+            if conn is None:
+                conn = local.conn = psycopg.connect(DATABASE_URL, autocommit=True)
+            params = {"key": "inline", "tokens": f'"{schema}"."singleton_tokens"', "message_id": str(n)}
+            row = (
+                conn.cursor(row_factory=dict_row)
+                .execute(acquire, {**params, "owner": "bench", "lease_ms": 30_000})
+                .fetchone()
+            )
+            if row is None or row["token"] is None:
+                raise RuntimeError("the inline lease was held: only one inline run may go at a time")
+            conn.execute(insert, (n,))
+            conn.execute(release, {"key": "inline", "token": row["token"]})
+
         broker = StubBroker()
         broker.add_middleware(Singleton(database=DATABASE_URL, schema=schema))
         plain = dramatiq.actor(effect, actor_name="plain", queue_name="plain", broker=broker)
         single = dramatiq.actor(effect, actor_name="single", queue_name="single", broker=broker, singleton=True)
+        ceiling = dramatiq.actor(inline, actor_name="inline", queue_name="inline", broker=broker)
         worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=10)
         worker.start()
-        rates: dict[str, list[float]] = {"plain": [], "single": []}
+        rates: dict[str, list[float]] = {"plain": [], "single": [], "inline": []}
         try:
-            for _ in range(3):  # interleaved rounds: both sides see the same machine load
-                for name, actor in (("plain", plain), ("single", single)):
+            for _ in range(rounds):  # interleaved rounds: both sides see the same machine load
+                for name, actor in (("plain", plain), ("single", single), ("inline", ceiling)):
                     for n in range(messages):
                         actor.send(n)
                     started = time.perf_counter()
@@ -164,10 +199,15 @@ def bench_singleton(messages: int) -> dict[str, float]:
             worker.stop()
             broker.close()
         plain_rate, single_rate = statistics.median(rates["plain"]), statistics.median(rates["single"])
+        ratios = [single / plain for plain, single in zip(rates["plain"], rates["single"], strict=True)]
+        ceilings = [inline / plain for plain, inline in zip(rates["plain"], rates["inline"], strict=True)]
         return {
             "plain_per_s": round(plain_rate, 1),
             "singleton_per_s": round(single_rate, 1),
-            "singleton_ratio": round(single_rate / plain_rate, 3),
+            "singleton_ratio": round(statistics.median(ratios), 3),
+            "singleton_ratio_spread": [round(min(ratios), 3), round(max(ratios), 3)],
+            # the acquire and release statements run by the actor itself: no middleware can beat it
+            "singleton_ceiling_ratio": round(statistics.median(ceilings), 3),
         }
     finally:
         _drop(schema)
@@ -177,24 +217,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", type=int, default=10_000)
     parser.add_argument("--messages", type=int, default=2_000)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the singleton part")
+    parser.add_argument("--loop-rounds", type=int, default=2, help="rounds of 1 loop then 3 loops")
     args = parser.parse_args()
-    one = bench_loops(args.schedules, 1)
-    log(f"1 scheduler loop:   {one}")
-    three = bench_loops(args.schedules, 3)
-    log(f"3 scheduler loops:  {three}")
-    single = bench_singleton(args.messages)
-    log(f"singleton actor vs plain (1 worker thread, {args.messages} messages): {single}")
+    runs: dict[int, list[dict[str, float]]] = {1: [], 3: []}
+    for _ in range(args.loop_rounds):
+        for loops in (1, 3):
+            runs[loops].append(bench_loops(args.schedules, loops))
+            log(f"{loops} scheduler loop(s): {runs[loops][-1]}")
+    single = bench_singleton(args.messages, args.rounds)
+    log(f"singleton actor vs plain (1 worker thread, {args.messages} messages, {args.rounds} rounds): {single}")
+
+    def median(loops: int, key: str) -> float:
+        return round(statistics.median(run[key] for run in runs[loops]), 1)
+
+    def spread(loops: int, key: str) -> list[float]:
+        values = [run[key] for run in runs[loops]]
+        return [min(values), max(values)]
+
     result = {
         "schedules": args.schedules,
-        "ticks_per_s_1": one["ticks_per_s"],
-        "ticks_per_s_3": three["ticks_per_s"],
-        "ticks_ratio_3_to_1": round(three["ticks_per_s"] / one["ticks_per_s"], 3),
-        "lag_p50_ms_1": one["lag_p50_ms"],
-        "lag_p99_ms_1": one["lag_p99_ms"],
-        "lag_p50_ms": three["lag_p50_ms"],
-        "lag_p99_ms": three["lag_p99_ms"],
-        "all_fired_ms_1": one["all_fired_ms"],
-        "all_fired_ms_3": three["all_fired_ms"],
+        "ticks_per_s_1": median(1, "ticks_per_s"),
+        "ticks_per_s_3": median(3, "ticks_per_s"),
+        "ticks_ratio_3_to_1": round(median(3, "ticks_per_s") / median(1, "ticks_per_s"), 3),
+        "lag_p50_ms_1": median(1, "lag_p50_ms"),
+        "lag_p99_ms_1": median(1, "lag_p99_ms"),
+        "lag_p99_ms_1_spread": spread(1, "lag_p99_ms"),
+        "lag_p50_ms": median(3, "lag_p50_ms"),
+        "lag_p99_ms": median(3, "lag_p99_ms"),
+        "lag_p99_ms_spread": spread(3, "lag_p99_ms"),
+        "lag_commit_p99_ms_1": median(1, "lag_commit_p99_ms"),
+        "lag_commit_p99_ms": median(3, "lag_commit_p99_ms"),
+        "all_fired_ms_1": median(1, "all_fired_ms"),
+        "all_fired_ms_3": median(3, "all_fired_ms"),
         **single,
     }
     print(json.dumps(result), flush=True)

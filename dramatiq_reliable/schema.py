@@ -40,6 +40,7 @@ __all__ = [
     "QUEUE_VERSION",
     "RATE_LIMITS_VERSION",
     "SCHEDULER_VERSION",
+    "SINGLETON_VERSION",
     "WORKFLOW_VERSION",
     "Migration",
     "current_version",
@@ -76,6 +77,8 @@ ORDER_CONCURRENCY_VERSION = 14
 BATCH_VERSION = 15
 # Workflows: chains of steps and groups (workflows/workflow.py): created by 17.
 WORKFLOW_VERSION = 17
+# Singleton acquires without a WAL flush of their own, guarded by an unlogged crash marker: created by 19.
+SINGLETON_VERSION = 19
 
 _FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
