@@ -21,6 +21,12 @@ the actor's INSERT runs on one of 8 connections in every system):
                      the Postgres job queues, the enqueue made after the business row's commit.
   postgres_broker    (an extra line, not in the ratios) our ``PostgresBroker`` with Tracing,
                      Idempotency, DeadLetters and ClassifiedRetries, sent like ``ours``.
+  plain_key          (the ceiling, not in the peers) plain Dramatiq, sent like ``plain``, whose
+                     actor runs what ``Idempotency`` runs for ``ours`` itself: ``BEGIN``, the
+                     key's claim (a random key, as message ids are), the INSERT, ``COMMIT``.
+                     ``drain_ceiling_ratio`` (plain_key / plain) is what the key's statements
+                     cost; ``drain_ratio_to_ceiling`` (ours / plain_key) what the rest does:
+                     the relay, the middleware, the outbox.
 
 The relay of ``ours`` is ``WorkerRelay`` by default (``--relay worker``): it is the relay in the
 middleware list, and it shares the worker's process and GIL, the harder case for us.  With
@@ -106,7 +112,7 @@ QUEUE_TYPE = os.environ.get("E2E_QUEUE_TYPE", "classic")
 PREFIX = "perfe2e_"
 THREADS = 8
 READY = "E2E-READY"
-SYSTEMS = ("ours", "plain", "pgqueuer", "dramatiq_postgres", "procrastinate", "postgres_broker")
+SYSTEMS = ("ours", "plain", "pgqueuer", "dramatiq_postgres", "procrastinate", "postgres_broker", "plain_key")
 PEERS = ("pgqueuer", "dramatiq_postgres", "procrastinate")
 ACTOR = "e2e_job"
 PHASE_DRAIN, PHASE_E2D, PHASE_LATENCY = 1, 2, 3
@@ -153,6 +159,35 @@ class ThreadConnections:
         if conn is None:
             conn = self.local.conn = psycopg.connect(DATABASE_URL, autocommit=True)
         conn.execute(self.query, (phase, n))
+
+
+class ThreadKeyedConnections(ThreadConnections):
+    """The ceiling of ``ours``'s worker side: plain Dramatiq whose actor runs the statements
+    ``Idempotency`` runs (``BEGIN``, the key's claim, the INSERT, ``COMMIT``) itself."""
+
+    def __init__(self, schema: str) -> None:
+        from dramatiq_reliable import _sql
+
+        super().__init__(schema)
+        self.claim = _sql.rendered("idempotency_claim", schema)
+
+    def __call__(self, phase: int, n: int) -> None:
+        from dramatiq_reliable.idempotency import payload_hash
+
+        conn = getattr(self.local, "conn", None)
+        if conn is None:
+            conn = self.local.conn = psycopg.connect(DATABASE_URL)
+        key = str(uuid.uuid4())  # random, as the message ids the middleware uses are
+        params = {
+            "actor_name": ACTOR,
+            "job_key": key,
+            "payload_hash": payload_hash((phase, n), {}),
+            "message_id": key,
+            "retention_s": 604_800.0,
+        }
+        with conn.transaction():
+            conn.execute(self.claim, params).fetchone()
+            conn.execute(self.query, (phase, n))
 
 
 def _job_connection_actor(schema: str) -> Callable[[int, int], None]:
@@ -210,6 +245,9 @@ def dramatiq_broker(system: str, schema: str, *, role: str, relay: str) -> tuple
     elif system == "plain":
         broker = RabbitmqBroker(url=RABBITMQ_URL, confirm_delivery=True)
         fn = ThreadConnections(schema)
+    elif system == "plain_key":
+        broker = RabbitmqBroker(url=RABBITMQ_URL, confirm_delivery=True)
+        fn = ThreadKeyedConnections(schema)
     elif system == "dramatiq_postgres":
         import dramatiq_postgres
 
@@ -380,7 +418,7 @@ class ProcrastinateProducer(AsyncProducer):
 def make_producer(system: str, schema: str, relay: str, *, install: bool) -> Producer:
     if system in ("ours", "postgres_broker"):
         return OutboxProducer(system, schema, relay)
-    if system in ("plain", "dramatiq_postgres"):
+    if system in ("plain", "plain_key", "dramatiq_postgres"):
         return DramatiqProducer(system, schema)
     if system == "pgqueuer":
         return PgQueuerProducer(schema, install=install)
@@ -404,7 +442,7 @@ def prepare(system: str, schema: str) -> None:
 
             with conn.cursor() as cursor:
                 dramatiq_postgres.init(cursor, schema=schema)
-    if system in ("ours", "postgres_broker"):
+    if system in ("ours", "postgres_broker", "plain_key"):
         from dramatiq_reliable import migrate
 
         migrate(DATABASE_URL, schema=schema)
@@ -419,7 +457,7 @@ def prepare(system: str, schema: str) -> None:
             outbox_declarer.declare_queue(schema, ensure=True)
         finally:
             outbox_declarer.close()
-    elif system in ("plain", "ours"):
+    elif system in ("plain", "plain_key", "ours"):
         declarer = RabbitmqBroker(url=RABBITMQ_URL, middleware=[])
         try:
             declarer.declare_queue(schema, ensure=True)
@@ -436,7 +474,7 @@ def cleanup(system: str, schema: str) -> None:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
     except psycopg.Error as error:
         log(f"could not drop schema {schema!r}: {error}; drop it by hand: DROP SCHEMA {schema} CASCADE")
-    if system in ("plain", "ours"):
+    if system in ("plain", "plain_key", "ours"):
         try:
             connection = pika.BlockingConnection(rabbitmq_parameters())
             try:
@@ -868,6 +906,8 @@ def summary(
     cold, cold_spread = headline(figures, per_round, "ours", "plain", "drain_cold_per_s")
     cpu, cpu_spread = headline(figures, per_round, "ours", "plain", "drain_cpu_us")
     pg_drain, pg_drain_spread = headline(figures, per_round, "postgres_broker", "plain", "drain_per_s")
+    ceiling, ceiling_spread = headline(figures, per_round, "plain_key", "plain", "drain_per_s")
+    to_ceiling, to_ceiling_spread = headline(figures, per_round, "ours", "plain_key", "drain_per_s")
     return {
         "ratio_to_plain": e2d,
         "ratio_to_plain_spread": e2d_spread,
@@ -879,6 +919,10 @@ def summary(
         "drain_cold_ratio_to_plain_spread": cold_spread,
         "drain_cpu_per_job_ratio_to_plain": cpu,
         "drain_cpu_per_job_ratio_to_plain_spread": cpu_spread,
+        "drain_ceiling_ratio": ceiling,
+        "drain_ceiling_ratio_spread": ceiling_spread,
+        "drain_ratio_to_ceiling": to_ceiling,
+        "drain_ratio_to_ceiling_spread": to_ceiling_spread,
         "postgres_broker_drain_ratio_to_plain": pg_drain,
         "postgres_broker_drain_ratio_to_plain_spread": pg_drain_spread,
         "latency_p99_ms": figure("ours", "latency_p99_ms"),

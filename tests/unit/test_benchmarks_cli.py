@@ -109,3 +109,16 @@ def test_phases_are_chosen_by_name_and_kept_in_their_order(end_to_end: ModuleTyp
 def test_bad_phases_warmup_or_processes_are_refused(end_to_end: ModuleType, argv: list[str]):
     with pytest.raises(SystemExit):
         end_to_end.parse_args(argv)
+
+
+def test_the_ceiling_splits_the_gap_into_the_keys_statements_and_the_rest(end_to_end: ModuleType):
+    per_round = {
+        "ours": [{"drain_per_s": 600.0}],
+        "plain_key": [{"drain_per_s": 800.0}],
+        "plain": [{"drain_per_s": 1000.0}],
+    }
+    figures = {name: end_to_end.medians(rounds) for name, rounds in per_round.items()}
+    result = end_to_end.summary(figures, end_to_end.parse_args(["--phases", "drain"]), [1.0, 1.0], per_round)
+    assert result["drain_ceiling_ratio"] == 0.8
+    assert result["drain_ratio_to_ceiling"] == 0.75
+    assert result["drain_ratio_to_plain"] == 0.6
