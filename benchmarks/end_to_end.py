@@ -3,6 +3,8 @@
     pip install -e '.[bench]'
     python benchmarks/end_to_end.py [--jobs 1000] [--rounds 1] [--rate 200] [--latency-seconds 5]
                                     [--relay worker|process] [--producers 1|2] [--systems ours,plain,...]
+                                    [--phases drain,e2d,latency] [--warmup 100] [--processes 1-4]
+    python benchmarks/end_to_end.py --phases drain --systems ours,plain --rounds 7 --jobs 2000
 
 Systems, each measured with the same one-INSERT actor and its worker in a process of its own
 (1 process; 8 threads for the Dramatiq-based ones, 8 concurrent tasks for the asyncio ones;
@@ -19,6 +21,12 @@ the actor's INSERT runs on one of 8 connections in every system):
                      the Postgres job queues, the enqueue made after the business row's commit.
   postgres_broker    (an extra line, not in the ratios) our ``PostgresBroker`` with Tracing,
                      Idempotency, DeadLetters and ClassifiedRetries, sent like ``ours``.
+  plain_key          (the ceiling, not in the peers) plain Dramatiq, sent like ``plain``, whose
+                     actor runs what ``Idempotency`` runs for ``ours`` itself: ``BEGIN``, the
+                     key's claim (a random key, as message ids are), the INSERT, ``COMMIT``.
+                     ``drain_ceiling_ratio`` (plain_key / plain) is what the key's statements
+                     cost; ``drain_ratio_to_ceiling`` (ours / plain_key) what the rest does:
+                     the relay, the middleware, the outbox.
 
 The relay of ``ours`` is ``WorkerRelay`` by default (``--relay worker``): it is the relay in the
 middleware list, and it shares the worker's process and GIL, the harder case for us.  With
@@ -27,8 +35,14 @@ middleware list, and it shares the worker's process and GIL, the harder case for
 For every system, in one worker process, three phases:
 
   1. drain: ``--jobs`` jobs are loaded while the worker (and so ``WorkerRelay``) waits; then
-     the worker starts, and drain jobs/s = jobs / (last effect row - start).  For ``ours`` the
-     backlog sits in the outbox, so the relay's catch-up is part of the drain.
+     the worker starts.  The first ``--warmup`` jobs (100) open the worker's connections,
+     prepare its statements and start the relay, untimed: drain jobs/s = (jobs - warmup) /
+     (last effect row - the warmup-th effect row).  ``drain_cold_per_s`` keeps the figure
+     with the start-up in it, jobs / (last effect row - start).  For ``ours`` the backlog sits
+     in the outbox, so the relay's catch-up is part of the drain.  The CPU the worker
+     processes (and a relay process) and their own Postgres backends (named by
+     ``PGAPPNAME``) use between the warmup-th and the last row, per job, read from ``/proc``:
+     ``drain_worker_cpu_us``, ``drain_postgres_cpu_us`` and their sum ``drain_cpu_us``.
   2. enqueue-then-drain: with the worker running, the producer sends ``--jobs`` jobs as fast as
      it can, one transaction each; jobs/s = jobs / (last effect row - first send).  One producer
      thread is bounded by its own round trips per job; ``--producers 2`` runs two, in threads
@@ -37,13 +51,21 @@ For every system, in one worker process, three phases:
      of the business row (``time.time()`` after it returns) to the effect row's
      ``clock_timestamp()`` (same host, same clock), p50 and p99.
 
-Rounds (``--rounds``) interleave the systems (each round starts one system later) and the
-figures are medians over rounds.  Each system gets its own schema and queue, named
-``perfe2e_<run>_<system>``, dropped or deleted at the end, also on failure or Ctrl-C; child
+``--phases`` runs a subset of the three (``--phases drain`` for quick rounds of the drain
+alone); ``--processes`` starts that many worker processes per system, for the scaling curve.
+
+Rounds (``--rounds``) interleave the systems (each round starts one system later: ours,
+plain, then plain, ours, ...) and the figures are medians over rounds; each ratio is the
+median of the rounds' paired ratios (ours and its baseline ran a minute apart, under the
+same load), with their [min, max] under the same key plus ``_spread``.  Each system gets its
+own schema and queue, named ``perfe2e_<run>_<system>``, dropped or deleted at the end, also on failure or Ctrl-C; child
 processes are stopped and, past a timeout, killed.  The last line printed is one JSON object:
 ``ratio_to_plain`` (enqueue-then-drain, ours / plain), ``ratio_to_best_peer`` (ours / the best
-of pgqueuer, dramatiq_postgres and procrastinate), ``drain_ratio_to_plain``, ``latency_p99_ms``
-and ``latency_p50_ms`` (ours), and every system's raw figures under ``systems``.
+of pgqueuer, dramatiq_postgres and procrastinate), ``drain_ratio_to_plain``,
+``drain_cold_ratio_to_plain``, ``drain_cpu_per_job_ratio_to_plain`` (CPU per job, ours / plain:
+above 1 costs more), ``postgres_broker_drain_ratio_to_plain``, each with its ``_spread``,
+``latency_p99_ms`` and ``latency_p50_ms`` (ours), every round's drain ratios under
+``round_ratios`` and every system's median figures under ``systems``.
 
 The cluster case (``--cluster``) measures ``ours`` alone, the same three phases, on RabbitMQ
 nodes of its own started from the machine's install by ``tests/rabbitmq_nodes.py`` (run as root,
@@ -90,10 +112,11 @@ QUEUE_TYPE = os.environ.get("E2E_QUEUE_TYPE", "classic")
 PREFIX = "perfe2e_"
 THREADS = 8
 READY = "E2E-READY"
-SYSTEMS = ("ours", "plain", "pgqueuer", "dramatiq_postgres", "procrastinate", "postgres_broker")
+SYSTEMS = ("ours", "plain", "pgqueuer", "dramatiq_postgres", "procrastinate", "postgres_broker", "plain_key")
 PEERS = ("pgqueuer", "dramatiq_postgres", "procrastinate")
 ACTOR = "e2e_job"
 PHASE_DRAIN, PHASE_E2D, PHASE_LATENCY = 1, 2, 3
+PHASES = ("drain", "e2d", "latency")
 
 
 def log(text: str) -> None:
@@ -136,6 +159,35 @@ class ThreadConnections:
         if conn is None:
             conn = self.local.conn = psycopg.connect(DATABASE_URL, autocommit=True)
         conn.execute(self.query, (phase, n))
+
+
+class ThreadKeyedConnections(ThreadConnections):
+    """The ceiling of ``ours``'s worker side: plain Dramatiq whose actor runs the statements
+    ``Idempotency`` runs (``BEGIN``, the key's claim, the INSERT, ``COMMIT``) itself."""
+
+    def __init__(self, schema: str) -> None:
+        from dramatiq_reliable import _sql
+
+        super().__init__(schema)
+        self.claim = _sql.rendered("idempotency_claim", schema)
+
+    def __call__(self, phase: int, n: int) -> None:
+        from dramatiq_reliable.idempotency import payload_hash
+
+        conn = getattr(self.local, "conn", None)
+        if conn is None:
+            conn = self.local.conn = psycopg.connect(DATABASE_URL)
+        key = str(uuid.uuid4())  # random, as the message ids the middleware uses are
+        params = {
+            "actor_name": ACTOR,
+            "job_key": key,
+            "payload_hash": payload_hash((phase, n), {}),
+            "message_id": key,
+            "retention_s": 604_800.0,
+        }
+        with conn.transaction():
+            conn.execute(self.claim, params).fetchone()
+            conn.execute(self.query, (phase, n))
 
 
 def _job_connection_actor(schema: str) -> Callable[[int, int], None]:
@@ -193,6 +245,9 @@ def dramatiq_broker(system: str, schema: str, *, role: str, relay: str) -> tuple
     elif system == "plain":
         broker = RabbitmqBroker(url=RABBITMQ_URL, confirm_delivery=True)
         fn = ThreadConnections(schema)
+    elif system == "plain_key":
+        broker = RabbitmqBroker(url=RABBITMQ_URL, confirm_delivery=True)
+        fn = ThreadKeyedConnections(schema)
     elif system == "dramatiq_postgres":
         import dramatiq_postgres
 
@@ -363,7 +418,7 @@ class ProcrastinateProducer(AsyncProducer):
 def make_producer(system: str, schema: str, relay: str, *, install: bool) -> Producer:
     if system in ("ours", "postgres_broker"):
         return OutboxProducer(system, schema, relay)
-    if system in ("plain", "dramatiq_postgres"):
+    if system in ("plain", "plain_key", "dramatiq_postgres"):
         return DramatiqProducer(system, schema)
     if system == "pgqueuer":
         return PgQueuerProducer(schema, install=install)
@@ -387,7 +442,7 @@ def prepare(system: str, schema: str) -> None:
 
             with conn.cursor() as cursor:
                 dramatiq_postgres.init(cursor, schema=schema)
-    if system in ("ours", "postgres_broker"):
+    if system in ("ours", "postgres_broker", "plain_key"):
         from dramatiq_reliable import migrate
 
         migrate(DATABASE_URL, schema=schema)
@@ -402,7 +457,7 @@ def prepare(system: str, schema: str) -> None:
             outbox_declarer.declare_queue(schema, ensure=True)
         finally:
             outbox_declarer.close()
-    elif system in ("plain", "ours"):
+    elif system in ("plain", "plain_key", "ours"):
         declarer = RabbitmqBroker(url=RABBITMQ_URL, middleware=[])
         try:
             declarer.declare_queue(schema, ensure=True)
@@ -419,7 +474,7 @@ def cleanup(system: str, schema: str) -> None:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
     except psycopg.Error as error:
         log(f"could not drop schema {schema!r}: {error}; drop it by hand: DROP SCHEMA {schema} CASCADE")
-    if system in ("plain", "ours"):
+    if system in ("plain", "plain_key", "ours"):
         try:
             connection = pika.BlockingConnection(rabbitmq_parameters())
             try:
@@ -552,6 +607,8 @@ class Child:
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             text=True,
+            # libpq names every connection the child opens: the parent finds its backends' CPU.
+            env={**os.environ, "PGAPPNAME": schema},
         )
 
     def wait_ready(self, timeout_s: float = 60) -> None:
@@ -614,6 +671,9 @@ class Effects:
         table = sql.Identifier(schema, "effects")
         self.progress = sql.SQL("SELECT count(*), extract(epoch FROM max(at)) FROM {} WHERE phase = %s").format(table)
         self.rows = sql.SQL("SELECT n, extract(epoch FROM at) FROM {} WHERE phase = %s").format(table)
+        self.nth = sql.SQL(
+            "SELECT extract(epoch FROM at) FROM {} WHERE phase = %s ORDER BY at OFFSET %s LIMIT 1"
+        ).format(table)
 
     def wait(self, phase: int, expected: int, children: list[Child], timeout_s: float) -> float:
         """Poll until ``expected`` effect rows of ``phase`` exist; return the last one's time."""
@@ -630,11 +690,40 @@ class Effects:
                 raise SystemExit(f"only {count} of {expected} jobs ran in {timeout_s:.0f} s (phase {phase})")
             time.sleep(0.01)
 
+    def count(self, phase: int) -> int:
+        row = self.conn.execute(self.progress, (phase,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def cpu_s(self, children: list[Child], schema: str) -> tuple[float, float] | None:
+        """CPU seconds used so far by the children and by their Postgres backends (Linux ``/proc``)."""
+        rows = self.conn.execute("SELECT pid FROM pg_stat_activity WHERE application_name = %s", (schema,))
+        workers = [cpu_seconds(child.process.pid) for child in children]
+        backends = [cpu_seconds(int(pid)) for (pid,) in rows.fetchall()]
+        if None in workers or None in backends or not backends:
+            return None
+        return sum(w for w in workers if w is not None), sum(b for b in backends if b is not None)
+
+    def nth_time(self, phase: int, k: int) -> float:
+        """The time of the ``k``-th effect row of ``phase`` (1-based, in commit order)."""
+        row = self.conn.execute(self.nth, (phase, k - 1)).fetchone()
+        assert row is not None, f"fewer than {k} effect rows in phase {phase}"
+        return float(row[0])
+
     def times(self, phase: int) -> dict[int, float]:
         return {int(n): float(at) for n, at in self.conn.execute(self.rows, (phase,)).fetchall()}
 
     def close(self) -> None:
         self.conn.close()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far (Linux ``/proc``), ``None`` if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def in_threads(producers: list[Producer], work: Callable[[int, Producer], None]) -> None:
@@ -669,7 +758,8 @@ def run_system(system: str, run_id: str, args: argparse.Namespace) -> dict[str, 
             producers.append(make_producer(system, schema, args.relay, install=i == 0))
             producers[-1].open()
         effects = Effects(schema)
-        children.append(Child("worker", system, schema, args.relay))
+        for _ in range(args.processes):
+            children.append(Child("worker", system, schema, args.relay))
         if system == "ours" and args.relay == "process":
             children.append(Child("relay", system, schema, args.relay))
         for child in children:
@@ -683,46 +773,64 @@ def run_system(system: str, run_id: str, args: argparse.Namespace) -> dict[str, 
 
             return work
 
-        # 1. drain a backlog loaded while the worker waits
-        in_threads(producers, burst(PHASE_DRAIN))
-        started = time.time()
-        for child in children:
-            child.say("go")
-        last = effects.wait(PHASE_DRAIN, jobs, children, timeout_s)
-        drain = jobs / (last - started)
+        figures: dict[str, float] = {}
+        if "drain" in args.phases:
+            # 1. drain a backlog loaded while the worker waits; the first ``--warmup`` jobs open the
+            # workers' connections, prepare their statements and start the relay, untimed
+            in_threads(producers, burst(PHASE_DRAIN))
+            started = time.time()
+            for child in children:
+                child.say("go")
+            if args.warmup:
+                effects.wait(PHASE_DRAIN, args.warmup, children, timeout_s)
+            cpu_before, done_before = effects.cpu_s(children, schema), effects.count(PHASE_DRAIN)
+            last = effects.wait(PHASE_DRAIN, jobs, children, timeout_s)
+            cpu_after = effects.cpu_s(children, schema)
+            if cpu_before is not None and cpu_after is not None and jobs > done_before:
+                # steadier than the rates on a shared machine: what a job costs, not how long it waited
+                per_job = 1e6 / (jobs - done_before)
+                figures["drain_worker_cpu_us"] = round((cpu_after[0] - cpu_before[0]) * per_job)
+                figures["drain_postgres_cpu_us"] = round((cpu_after[1] - cpu_before[1]) * per_job)
+                figures["drain_cpu_us"] = figures["drain_worker_cpu_us"] + figures["drain_postgres_cpu_us"]
+            first = effects.nth_time(PHASE_DRAIN, args.warmup) if args.warmup else started
+            figures["drain_per_s"] = round((jobs - args.warmup) / (last - first), 1)
+            # the figure before the warm-up was measured: start-up, first connections and all
+            figures["drain_cold_per_s"] = round(jobs / (last - started), 1)
+        else:
+            for child in children:
+                child.say("go")
 
-        # 2. enqueue then drain, the worker running
-        started = time.time()
-        in_threads(producers, burst(PHASE_E2D))
-        sent = time.time()
-        last = effects.wait(PHASE_E2D, jobs, children, timeout_s)
-        e2d = jobs / (last - started)
+        if "e2d" in args.phases:
+            # 2. enqueue then drain, the worker running
+            started = time.time()
+            in_threads(producers, burst(PHASE_E2D))
+            sent = time.time()
+            last = effects.wait(PHASE_E2D, jobs, children, timeout_s)
+            figures["enqueue_then_drain_per_s"] = round(jobs / (last - started), 1)
+            figures["enqueue_per_s"] = round(jobs / (sent - started), 1)
 
-        # 3. commit-to-effect latency at a steady rate, job n due at begin + n / rate
-        total = max(1, int(args.rate * args.latency_seconds))
-        committed: dict[int, float] = {}
-        begin = time.monotonic()
+        if "latency" in args.phases:
+            # 3. commit-to-effect latency at a steady rate, job n due at begin + n / rate
+            total = max(1, int(args.rate * args.latency_seconds))
+            committed: dict[int, float] = {}
+            begin = time.monotonic()
 
-        def steady(i: int, producer: Producer) -> None:
-            for n in range(i, total, count):
-                pause = begin + n / args.rate - time.monotonic()
-                if pause > 0:
-                    time.sleep(pause)
-                committed[n] = producer.send(PHASE_LATENCY, n)
+            def steady(i: int, producer: Producer) -> None:
+                for n in range(i, total, count):
+                    pause = begin + n / args.rate - time.monotonic()
+                    if pause > 0:
+                        time.sleep(pause)
+                    committed[n] = producer.send(PHASE_LATENCY, n)
 
-        in_threads(producers, steady)
-        achieved = total / (time.monotonic() - begin)
-        effects.wait(PHASE_LATENCY, total, children, timeout_s)
-        at = effects.times(PHASE_LATENCY)
-        latencies = sorted((at[n] - committed[n]) * 1000 for n in committed)
-        return {
-            "enqueue_then_drain_per_s": round(e2d, 1),
-            "drain_per_s": round(drain, 1),
-            "enqueue_per_s": round(jobs / (sent - started), 1),
-            "latency_p50_ms": round(statistics.median(latencies), 2),
-            "latency_p99_ms": round(latencies[max(0, int(len(latencies) * 0.99) - 1)], 2),
-            "latency_rate_per_s": round(achieved, 1),
-        }
+            in_threads(producers, steady)
+            achieved = total / (time.monotonic() - begin)
+            effects.wait(PHASE_LATENCY, total, children, timeout_s)
+            at = effects.times(PHASE_LATENCY)
+            latencies = sorted((at[n] - committed[n]) * 1000 for n in committed)
+            figures["latency_p50_ms"] = round(statistics.median(latencies), 2)
+            figures["latency_p99_ms"] = round(latencies[max(0, int(len(latencies) * 0.99) - 1)], 2)
+            figures["latency_rate_per_s"] = round(achieved, 1)
+        return figures
     finally:
         for child in children:
             child.stop()
@@ -756,26 +864,75 @@ def ratio(ours: float | None, baseline: float | None) -> float | None:
     return round(ours / baseline, 2) if ours and baseline else None
 
 
-def summary(figures: dict[str, dict[str, float]], args: argparse.Namespace, load: list[float]) -> dict[str, Any]:
-    peers = [name for name in PEERS if name in figures]
+def paired_ratios(per_round: dict[str, list[dict[str, float]]], system: str, baseline: str, key: str) -> list[float]:
+    """``system`` / ``baseline`` round by round: the two ran minutes apart, so the machine's load
+    drifts less between them than between rounds, and each round's ratio is a fair sample."""
+    pairs = zip(per_round.get(system, []), per_round.get(baseline, []), strict=False)
+    return [ours[key] / base[key] for ours, base in pairs if ours.get(key) and base.get(key)]
+
+
+def headline(
+    figures: dict[str, dict[str, float]],
+    per_round: dict[str, list[dict[str, float]]] | None,
+    system: str | None,
+    baseline: str | None,
+    key: str,
+) -> tuple[float | None, list[float] | None]:
+    """The median of the paired per-round ratios and their [min, max]; from the medians' ratio
+    (no spread) when there are no rounds to pair."""
+    if system is None or baseline is None:
+        return None, None
+    paired = paired_ratios(per_round, system, baseline, key) if per_round else []
+    if paired:
+        return round(statistics.median(paired), 2), [round(min(paired), 2), round(max(paired), 2)]
+    return ratio(figures.get(system, {}).get(key), figures.get(baseline, {}).get(key)), None
+
+
+def summary(
+    figures: dict[str, dict[str, float]],
+    args: argparse.Namespace,
+    load: list[float],
+    per_round: dict[str, list[dict[str, float]]] | None = None,
+) -> dict[str, Any]:
+    peers = [name for name in PEERS if "enqueue_then_drain_per_s" in figures.get(name, {})]
     best_peer = max(peers, key=lambda name: figures[name]["enqueue_then_drain_per_s"]) if peers else None
 
     def figure(system: str | None, key: str) -> float | None:
-        return figures[system][key] if system in figures else None
+        return figures.get(system, {}).get(key) if system is not None else None
 
+    e2d, e2d_spread = headline(figures, per_round, "ours", "plain", "enqueue_then_drain_per_s")
+    peer, peer_spread = headline(figures, per_round, "ours", best_peer, "enqueue_then_drain_per_s")
+    drain, drain_spread = headline(figures, per_round, "ours", "plain", "drain_per_s")
+    cold, cold_spread = headline(figures, per_round, "ours", "plain", "drain_cold_per_s")
+    cpu, cpu_spread = headline(figures, per_round, "ours", "plain", "drain_cpu_us")
+    pg_drain, pg_drain_spread = headline(figures, per_round, "postgres_broker", "plain", "drain_per_s")
+    ceiling, ceiling_spread = headline(figures, per_round, "plain_key", "plain", "drain_per_s")
+    to_ceiling, to_ceiling_spread = headline(figures, per_round, "ours", "plain_key", "drain_per_s")
     return {
-        "ratio_to_plain": ratio(
-            figure("ours", "enqueue_then_drain_per_s"), figure("plain", "enqueue_then_drain_per_s")
-        ),
-        "ratio_to_best_peer": ratio(
-            figure("ours", "enqueue_then_drain_per_s"), figure(best_peer, "enqueue_then_drain_per_s")
-        ),
-        "drain_ratio_to_plain": ratio(figure("ours", "drain_per_s"), figure("plain", "drain_per_s")),
+        "ratio_to_plain": e2d,
+        "ratio_to_plain_spread": e2d_spread,
+        "ratio_to_best_peer": peer,
+        "ratio_to_best_peer_spread": peer_spread,
+        "drain_ratio_to_plain": drain,
+        "drain_ratio_to_plain_spread": drain_spread,
+        "drain_cold_ratio_to_plain": cold,
+        "drain_cold_ratio_to_plain_spread": cold_spread,
+        "drain_cpu_per_job_ratio_to_plain": cpu,
+        "drain_cpu_per_job_ratio_to_plain_spread": cpu_spread,
+        "drain_ceiling_ratio": ceiling,
+        "drain_ceiling_ratio_spread": ceiling_spread,
+        "drain_ratio_to_ceiling": to_ceiling,
+        "drain_ratio_to_ceiling_spread": to_ceiling_spread,
+        "postgres_broker_drain_ratio_to_plain": pg_drain,
+        "postgres_broker_drain_ratio_to_plain_spread": pg_drain_spread,
         "latency_p99_ms": figure("ours", "latency_p99_ms"),
         "latency_p50_ms": figure("ours", "latency_p50_ms"),
         "best_peer": best_peer,
         "jobs": args.jobs,
+        "warmup": args.warmup,
         "rounds": args.rounds,
+        "phases": args.phases,
+        "processes": args.processes,
         "rate_per_s": args.rate,
         "latency_seconds": args.latency_seconds,
         "relay": args.relay,
@@ -783,13 +940,36 @@ def summary(figures: dict[str, dict[str, float]], args: argparse.Namespace, load
         "threads": THREADS,
         "load_average_1m": load,
         "systems": figures,
+        "round_ratios": {
+            "drain_ratio_to_plain": [
+                round(r, 2) for r in paired_ratios(per_round or {}, "ours", "plain", "drain_per_s")
+            ]
+        },
     }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--jobs", type=int, default=1000, help="jobs per system in the drain and enqueue phases")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds, systems interleaved; medians reported")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="rounds, systems interleaved; ratios are the median of the rounds' pairs"
+    )
+    parser.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help=f"comma-separated subset of {','.join(PHASES)} (--phases drain: the drain ratio alone, quick rounds)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=100, help="drain jobs run before the timing starts (connections, statements)"
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        choices=range(1, 5),
+        default=1,
+        metavar="1-4",
+        help="worker processes per system (the scaling curve); each holds up to 12 connections",
+    )
     parser.add_argument(
         "--producers",
         type=int,
@@ -816,7 +996,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown systems {unknown!r}; choose from {','.join(SYSTEMS)}")
     if args.jobs < 1 or args.rounds < 1 or args.rate <= 0 or args.latency_seconds <= 0:
         parser.error("--jobs and --rounds must be at least 1, --rate and --latency-seconds positive")
+    phases = [name.strip() for name in args.phases.split(",") if name.strip()]
+    if not phases or set(phases) - set(PHASES):
+        parser.error(f"--phases must name some of {','.join(PHASES)}, got {args.phases!r}")
+    if not 0 <= args.warmup < args.jobs:
+        parser.error(f"--warmup must be at least 0 and below --jobs ({args.jobs}), got {args.warmup!r}")
     args.systems = chosen
+    args.phases = [name for name in PHASES if name in phases]
     return args
 
 
@@ -860,7 +1046,8 @@ def main(argv: list[str] | None = None) -> None:
         # run_system's finally blocks have stopped the children and dropped the schema and queues.
         raise SystemExit("interrupted; the worker processes, schemas and queues of this run are gone") from None
     load.append(round(os.getloadavg()[0], 2))
-    print(json.dumps(summary({name: medians(r) for name, r in results.items() if r}, args, load)), flush=True)
+    figures = {name: medians(r) for name, r in results.items() if r}
+    print(json.dumps(summary(figures, args, load, results)), flush=True)
 
 
 # -- the cluster case ---------------------------------------------------------------------------------

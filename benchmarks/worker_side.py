@@ -30,7 +30,9 @@ Where the time goes: between the first and the last poll of the business table, 
 the worker process and its own Postgres backends (found by ``application_name``) used, per job
 (``cpu_us_per_job``, medians; read from ``/proc``, so Linux only, and left out under ``--py-spy``).
 
-The last line printed is one JSON object: ``worker_ratio`` (full / plain), ``ceiling_ratio``
+The last line printed is one JSON object: ``worker_ratio`` (full / plain, the medians' ratio),
+``worker_ratio_paired`` (the median of each round's full / plain) and ``worker_ratio_spread``
+(those rounds' [min, max]; ``ceiling_ratio_spread`` likewise), ``ceiling_ratio``
 (plain_key / plain: what any middleware keeping the key in the job's transaction could reach
 here), ``ratios`` (each scenario / plain), ``step_ratios`` (each scenario of the chain / the one
 before it, what that middleware costs), the median rates (jobs/s), every round's rates and
@@ -354,6 +356,18 @@ def main() -> None:
 
     median = {name: statistics.median(values) for name, values in rates.items()}
     ratios = {name: round(median[name] / median["plain"], 3) for name in scenarios}
+    # Each round's scenarios ran back to back: their ratio to that round's plain is the fairer
+    # sample on a shared machine, and the rounds' min and max show how far to trust the median.
+    paired = {
+        name: [rate / plain for rate, plain in zip(rates[name], rates["plain"], strict=True)] for name in scenarios
+    }
+
+    def spread(name: str) -> list[float] | None:
+        return [round(min(paired[name]), 3), round(max(paired[name]), 3)] if name in paired else None
+
+    def paired_median(name: str) -> float | None:
+        return round(statistics.median(paired[name]), 3) if name in paired else None
+
     chain = [name for name in scenarios if name in CHAIN]
     steps = {later: round(median[later] / median[earlier], 3) for earlier, later in itertools.pairwise(chain)}
     results: dict[str, Any] = {
@@ -361,7 +375,10 @@ def main() -> None:
         "threads": args.threads,
         "rounds": args.rounds,
         "worker_ratio": ratios.get("full"),
+        "worker_ratio_paired": paired_median("full"),
+        "worker_ratio_spread": spread("full"),
         "ceiling_ratio": ratios.get("plain_key"),
+        "ceiling_ratio_spread": spread("plain_key"),
         "ratios": ratios,
         "step_ratios": steps,
         "rates": {name: round(value, 1) for name, value in median.items()},

@@ -75,3 +75,50 @@ def test_a_missing_baseline_gives_no_ratio_rather_than_a_wrong_one(end_to_end: M
     assert result["ratio_to_plain"] is None
     assert result["ratio_to_best_peer"] is None
     assert result["best_peer"] is None
+
+
+def test_the_headline_ratios_are_the_median_of_paired_rounds_with_their_spread(end_to_end: ModuleType):
+    # Round 2 ran while the machine was busy for both: its ratio is still a fair sample.
+    per_round = {
+        "ours": [{"drain_per_s": 900.0}, {"drain_per_s": 400.0}, {"drain_per_s": 1100.0}],
+        "plain": [{"drain_per_s": 1000.0}, {"drain_per_s": 500.0}, {"drain_per_s": 1000.0}],
+    }
+    figures = {name: end_to_end.medians(rounds) for name, rounds in per_round.items()}
+    result = end_to_end.summary(figures, end_to_end.parse_args(["--phases", "drain"]), [1.0, 1.0], per_round)
+    assert result["drain_ratio_to_plain"] == 0.9
+    assert result["drain_ratio_to_plain_spread"] == [0.8, 1.1]
+    assert result["round_ratios"]["drain_ratio_to_plain"] == [0.9, 0.8, 1.1]
+    assert result["ratio_to_plain"] is None  # the enqueue-then-drain phase did not run
+    assert result["ratio_to_plain_spread"] is None
+
+
+def test_paired_ratios_skip_a_round_that_lacks_the_figure(end_to_end: ModuleType):
+    per_round = {"ours": [{"drain_per_s": 800.0}, {}], "plain": [{"drain_per_s": 1000.0}, {"drain_per_s": 900.0}]}
+    assert end_to_end.paired_ratios(per_round, "ours", "plain", "drain_per_s") == [0.8]
+
+
+def test_phases_are_chosen_by_name_and_kept_in_their_order(end_to_end: ModuleType):
+    assert end_to_end.parse_args(["--phases", "latency,drain"]).phases == ["drain", "latency"]
+    assert end_to_end.parse_args([]).phases == ["drain", "e2d", "latency"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--phases", "drain,warm"], ["--phases", ","], ["--warmup", "1000", "--jobs", "1000"], ["--processes", "5"]],
+)
+def test_bad_phases_warmup_or_processes_are_refused(end_to_end: ModuleType, argv: list[str]):
+    with pytest.raises(SystemExit):
+        end_to_end.parse_args(argv)
+
+
+def test_the_ceiling_splits_the_gap_into_the_keys_statements_and_the_rest(end_to_end: ModuleType):
+    per_round = {
+        "ours": [{"drain_per_s": 600.0}],
+        "plain_key": [{"drain_per_s": 800.0}],
+        "plain": [{"drain_per_s": 1000.0}],
+    }
+    figures = {name: end_to_end.medians(rounds) for name, rounds in per_round.items()}
+    result = end_to_end.summary(figures, end_to_end.parse_args(["--phases", "drain"]), [1.0, 1.0], per_round)
+    assert result["drain_ceiling_ratio"] == 0.8
+    assert result["drain_ratio_to_ceiling"] == 0.75
+    assert result["drain_ratio_to_plain"] == 0.6
