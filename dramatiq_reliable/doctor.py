@@ -407,7 +407,8 @@ def _size(size: int) -> str:
 def _relay(conn: psycopg.Connection[Any], schema_name: str, version: int, limits: Thresholds) -> Finding:
     if version < schema.OUTBOX_VERSION:
         return Finding("relay", "ok", "no outbox to relay (schema not migrated)")
-    row = _one(conn, "doctor_relay", schema_name)
+    # Since migration 16 published rows may live in the partitioned history instead.
+    row = _one(conn, "doctor_relay_history" if version >= 16 else "doctor_relay", schema_name)
     age_s = row["oldest_due_age_s"]
     published = row["last_published_at"]
     details = {"due": int(row["due"]), "oldest_due_age_s": age_s, "last_published_at": published}

@@ -38,7 +38,7 @@ from dramatiq.middleware import Middleware
 from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
-from .. import _sql, events, schema
+from .. import _sql, events, partitions, schema
 from .._checks import check_bool, check_choice, check_int, check_ms
 from .._util import first_line as _first_line
 from .._util import redact
@@ -569,6 +569,7 @@ class Relay:
                     if self.retention_ms is not None and time.monotonic() >= next_purge:
                         self.purge()
                         purge_dedupe_keys(self.database, schema=self.schema)
+                        partitions.maintain(self.database, schema=self.schema)  # drops expired partitions
                         next_purge = time.monotonic() + self.purge_interval_s
                     published += self.reaper.if_due()  # requeued rows are published on the next pass
                     if published:
