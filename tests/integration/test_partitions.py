@@ -1,0 +1,147 @@
+"""Partitioned history of published outbox rows: made ahead, dropped behind, nothing unexpired lost."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+import dramatiq
+import psycopg
+import pytest
+from psycopg import sql
+
+from dramatiq_reliable import ConfigurationError, OutboxBroker, partitions
+from dramatiq_reliable.cli import main
+from dramatiq_reliable.jobs import show_job
+from dramatiq_reliable.testing import drain_outbox
+
+pytestmark = pytest.mark.integration
+
+HOUR_MS = 3_600_000
+
+
+def _published(db: psycopg.Connection[Any], schema: str, table: str) -> int:
+    query = sql.SQL("SELECT count(*) FROM {} WHERE published_at IS NOT NULL").format(sql.Identifier(schema, table))
+    row = db.execute(query).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _seed(db: psycopg.Connection[Any], schema: str, *, published_hours: int, waiting: int) -> None:
+    """One published row per hour of age from 1 to ``published_hours`` hours ago, and ``waiting`` unpublished rows."""
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (message_id, queue_name, actor_name, body, published_at) "
+            "SELECT 'old-' || n, 'q', 'a', 'x', now() - n * interval '1 hour' + interval '1 minute' "
+            "FROM generate_series(1, %(n)s) AS n"
+        ).format(sql.Identifier(schema, "outbox")),
+        {"n": published_hours},
+    )
+    db.execute(
+        sql.SQL(
+            "INSERT INTO {} (message_id, queue_name, actor_name, body) "
+            "SELECT 'new-' || n, 'q', 'a', 'x' FROM generate_series(1, %(n)s) AS n"
+        ).format(sql.Identifier(schema, "outbox")),
+        {"n": waiting},
+    )
+
+
+def test_enable_makes_partitions_ahead_and_moves_the_published_rows_within_retention(database_url, db, db_schema):
+    _seed(db, db_schema, published_hours=10, waiting=3)
+    status = partitions.enable(database_url, schema=db_schema, interval_ms=HOUR_MS, ahead=2, retention_ms=6 * HOUR_MS)
+    now = dt.datetime.now(dt.timezone.utc)
+    assert status.enabled
+    assert status.covered_until is not None and status.covered_until >= now + dt.timedelta(hours=2)
+    assert status.partitions[0].lower <= now - dt.timedelta(hours=6)
+    # Rows 1..6 hours old (published 1 minute inside each hour) are within retention and moved;
+    # older ones stay for the row purge, which deletes them as before.
+    assert status.moved == 6
+    assert _published(db, db_schema, "outbox_published") == 6
+    assert _published(db, db_schema, "outbox") == 4
+    waiting = db.execute(
+        sql.SQL("SELECT count(*) FROM {}.outbox WHERE published_at IS NULL").format(sql.Identifier(db_schema))
+    ).fetchone()
+    assert waiting == (3,)
+
+
+def test_maintain_drops_only_partitions_past_retention(database_url, db, db_schema):
+    _seed(db, db_schema, published_hours=8, waiting=0)
+    partitions.enable(database_url, schema=db_schema, interval_ms=HOUR_MS, ahead=1, retention_ms=8 * HOUR_MS)
+    unexpired = db.execute(
+        sql.SQL("SELECT count(*) FROM {} WHERE published_at > now() - interval '3 hours'").format(
+            sql.Identifier(db_schema, "outbox_published")
+        )
+    ).fetchone()
+    # Shorter retention: the partitions wholly older than 3 hours go, nothing younger does.
+    status = partitions.enable(database_url, schema=db_schema, interval_ms=HOUR_MS, ahead=1, retention_ms=3 * HOUR_MS)
+    assert status.dropped
+    assert partitions.maintain(database_url, schema=db_schema).dropped == ()
+    cut = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=3)
+    assert all(p.upper > cut for p in status.partitions)
+    still = db.execute(
+        sql.SQL("SELECT count(*) FROM {} WHERE published_at > now() - interval '3 hours'").format(
+            sql.Identifier(db_schema, "outbox_published")
+        )
+    ).fetchone()
+    assert still == unexpired and still is not None and still[0] >= 2
+    oldest = db.execute(
+        sql.SQL("SELECT min(published_at) FROM {}").format(sql.Identifier(db_schema, "outbox_published"))
+    ).fetchone()
+    assert oldest is not None and oldest[0] >= cut - dt.timedelta(hours=1)
+    tables = db.execute(
+        "SELECT count(*) FROM pg_tables WHERE schemaname = %s AND tablename = ANY(%s)",
+        (db_schema, list(status.dropped)),
+    ).fetchone()
+    assert tables == (0,)
+
+
+def test_the_relay_moves_what_it_publishes_and_jobs_show_still_finds_it(
+    database_url, db, db_schema, broker: OutboxBroker, queue_name, rabbit
+):
+    partitions.enable(database_url, schema=db_schema)
+    task = dramatiq.actor(lambda n: None, actor_name=f"{queue_name}_a", queue_name=queue_name, broker=broker)
+    messages = [task.send(i) for i in range(5)]
+    assert drain_outbox(broker) == 5
+    assert rabbit.count(queue_name) == 5
+    assert _published(db, db_schema, "outbox") == 0
+    assert _published(db, db_schema, "outbox_published") == 5
+    assert show_job(database_url, db_schema, messages[0].message_id).state == "published_no_news"
+
+
+def test_rows_marked_with_no_partition_stay_in_the_outbox_until_maintenance_moves_them(database_url, db, db_schema):
+    partitions.enable(database_url, schema=db_schema, interval_ms=HOUR_MS, ahead=1, retention_ms=HOUR_MS)
+    for info in partitions.partition_status(database_url, schema=db_schema).partitions:
+        db.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(db_schema, info.name)))
+    _seed(db, db_schema, published_hours=0, waiting=4)
+    # The relay's mark must not fail for want of a partition: the rows stay, marked.
+    db.execute(sql.SQL("UPDATE {} SET published_at = now()").format(sql.Identifier(db_schema, "outbox")))
+    assert _published(db, db_schema, "outbox") == 4
+    status = partitions.maintain(database_url, schema=db_schema)
+    assert status.created and status.moved == 4 and status.left_in_outbox == 0
+    assert _published(db, db_schema, "outbox_published") == 4
+
+
+def test_maintain_does_nothing_on_a_schema_never_enabled(database_url, db_schema):
+    assert partitions.maintain(database_url, schema=db_schema).enabled is False
+
+
+def test_enable_again_with_another_interval_is_refused(database_url, db_schema):
+    partitions.enable(database_url, schema=db_schema, interval_ms=HOUR_MS)
+    with pytest.raises(ConfigurationError, match="enable again with the same interval_ms"):
+        partitions.enable(database_url, schema=db_schema, interval_ms=2 * HOUR_MS)
+
+
+def test_cli_enables_shows_and_refuses_a_zero_interval(database_url, db_schema, capsys):
+    common = ["--database-url", database_url, "--schema", db_schema]
+    assert main(["partitions", "enable", "--interval", "0", *common]) == 2
+    assert "interval_ms must be" in capsys.readouterr().err
+    assert main(["partitions", "enable", "--interval", "6h", "--retention", "1d", "--json", *common]) == 0
+    enabled = json.loads(capsys.readouterr().out)
+    assert enabled["interval_ms"] == 6 * HOUR_MS and enabled["partitions"]
+    assert main(["partitions", "status", "--json", *common]) == 0
+    assert json.loads(capsys.readouterr().out)["partitions"] == enabled["partitions"]
+    assert main(["partitions", "disable", *common]) == 0
+    capsys.readouterr()
+    assert main(["partitions", "status", *common]) == 0
+    assert "not enabled" in capsys.readouterr().out
