@@ -215,10 +215,25 @@ def maintain(
             if settings is None:
                 return PartitionStatus(enabled=False)
             return dataclasses.replace(partition_status(database, schema=schema), skipped=True)
+        covered_until = None
         try:
-            return _maintain(conn, schema, lease, batch_size, install=_install)
+            status = _maintain(conn, schema, lease, batch_size, install=_install)
+            covered_until = status.covered_until
+            return status
         finally:
-            conn.execute(_sql.query("partitions_release", schema), {"table_name": OUTBOX_HISTORY})
+            conn.execute(
+                _sql.query("partitions_release", schema), {"table_name": OUTBOX_HISTORY, "covered_until": covered_until}
+            )
+
+
+def maintain_for_relay(database: DatabaseLike, *, schema: str) -> str:
+    """:func:`maintain`, then the statement a relay marks confirmed rows with until it runs again.
+
+    ``outbox_move_published`` moves them to the history itself once partitions are enabled (the
+    trigger's way pays for an UPDATE as well); ``outbox_mark_published`` otherwise.
+    """
+    enabled = maintain(database, schema=schema).enabled
+    return "outbox_move_published" if enabled else "outbox_mark_published"
 
 
 def partition_status(database: DatabaseLike, *, schema: str = _sql.DEFAULT_SCHEMA) -> PartitionStatus:

@@ -11,8 +11,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from dramatiq_reliable import ConfigurationError, OutboxBroker, partitions
+from dramatiq_reliable import ConfigurationError, OutboxBroker, PostgresBroker, Relay, partitions
 from dramatiq_reliable.cli import main
+from dramatiq_reliable.doctor import diagnose
 from dramatiq_reliable.jobs import show_job
 from dramatiq_reliable.testing import drain_outbox
 
@@ -94,6 +95,8 @@ def test_maintain_drops_only_partitions_past_retention(database_url, db, db_sche
         (db_schema, list(status.dropped)),
     ).fetchone()
     assert tables == (0,)
+    with pytest.raises(ConfigurationError, match="enable again with the same interval_ms"):
+        partitions.enable(database_url, schema=db_schema, interval_ms=2 * HOUR_MS)
 
 
 def test_the_relay_moves_what_it_publishes_and_jobs_show_still_finds_it(
@@ -109,6 +112,35 @@ def test_the_relay_moves_what_it_publishes_and_jobs_show_still_finds_it(
     assert show_job(database_url, db_schema, messages[0].message_id).state == "published_no_news"
 
 
+def test_a_relay_that_maintained_the_partitions_moves_rows_itself_while_a_partition_covers_now(
+    database_url, db, db_schema, broker: OutboxBroker, queue_name, rabbit
+):
+    partitions.enable(database_url, schema=db_schema)
+    # Without the trigger, only the relay's own statement can move the rows.
+    db.execute(sql.SQL("DROP TRIGGER outbox_move_published ON {}").format(sql.Identifier(db_schema, "outbox")))
+    task = dramatiq.actor(lambda n: None, actor_name=f"{queue_name}_a", queue_name=queue_name, broker=broker)
+    relay = Relay.from_broker(broker)
+    try:
+        relay.purge()  # what every relay runs each purge_interval_ms: it learns partitions are on
+        for i in range(3):
+            task.send(i)
+        assert relay.drain() == 3
+        assert _published(db, db_schema, "outbox") == 0
+        assert _published(db, db_schema, "outbox_published") == 3
+        # Past the newest partition the relay marks in place instead of failing its batch.
+        db.execute(
+            sql.SQL("UPDATE {} SET covered_until = now() - interval '1 hour'").format(
+                sql.Identifier(db_schema, "partitioned_tables")
+            )
+        )
+        task.send(3)
+        assert relay.drain() == 1
+        assert _published(db, db_schema, "outbox") == 1
+    finally:
+        relay.publisher.close()
+    assert rabbit.count(queue_name) == 4
+
+
 def test_rows_marked_with_no_partition_stay_in_the_outbox_until_maintenance_moves_them(database_url, db, db_schema):
     partitions.enable(database_url, schema=db_schema, interval_ms=HOUR_MS, ahead=1, retention_ms=HOUR_MS)
     for info in partitions.partition_status(database_url, schema=db_schema).partitions:
@@ -122,14 +154,39 @@ def test_rows_marked_with_no_partition_stay_in_the_outbox_until_maintenance_move
     assert _published(db, db_schema, "outbox_published") == 4
 
 
-def test_maintain_does_nothing_on_a_schema_never_enabled(database_url, db_schema):
+def test_doctor_fails_when_no_partition_covers_now_and_is_happy_after_maintenance(database_url, db, db_schema):
+    def finding() -> Any:
+        return next(f for f in diagnose(database_url, schema_name=db_schema) if f.check == "partitions")
+
+    assert finding().severity == "ok" and "not enabled" in finding().summary
     assert partitions.maintain(database_url, schema=db_schema).enabled is False
+    partitions.enable(database_url, schema=db_schema, interval_ms=HOUR_MS, ahead=2, retention_ms=HOUR_MS)
+    assert finding().severity == "ok"
+    for info in partitions.partition_status(database_url, schema=db_schema).partitions:
+        db.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(db_schema, info.name)))
+    broken = finding()
+    assert broken.severity == "fail" and "partitions maintain" in broken.fix
+    partitions.maintain(database_url, schema=db_schema)
+    assert finding().severity == "ok"
 
 
-def test_enable_again_with_another_interval_is_refused(database_url, db_schema):
-    partitions.enable(database_url, schema=db_schema, interval_ms=HOUR_MS)
-    with pytest.raises(ConfigurationError, match="enable again with the same interval_ms"):
-        partitions.enable(database_url, schema=db_schema, interval_ms=2 * HOUR_MS)
+def test_postgres_broker_runs_jobs_on_a_schema_with_partitions_enabled(database_url, db_schema):
+    partitions.enable(database_url, schema=db_schema)
+    broker = PostgresBroker(database=database_url, schema=db_schema)
+    dramatiq.set_broker(broker)
+    done: list[int] = []
+    job = dramatiq.actor(done.append, actor_name="p26_job", queue_name=f"p26_{db_schema}"[:40], broker=broker)
+    worker = dramatiq.Worker(broker, worker_timeout=100, worker_threads=2)
+    try:
+        for n in range(5):
+            job.send(n)
+        worker.start()
+        broker.join(job.queue_name, timeout=10_000)
+        worker.join()
+    finally:
+        worker.stop()
+        broker.close()
+    assert sorted(done) == list(range(5))
 
 
 def test_cli_enables_shows_and_refuses_a_zero_interval(database_url, db_schema, capsys):

@@ -15,6 +15,8 @@ CREATE TABLE {schema}.partitioned_tables (
     enabled_at        timestamptz NOT NULL DEFAULT now(),
     maintained_at     timestamptz,
     maintenance_until timestamptz,
+    -- the end of the newest partition: a relay moves rows it publishes before then itself
+    covered_until     timestamptz,
     CONSTRAINT partitioned_tables_interval CHECK (interval_ms > 0),
     CONSTRAINT partitioned_tables_ahead CHECK (ahead >= 1),
     CONSTRAINT partitioned_tables_retention CHECK (retention_ms >= 0)
@@ -42,7 +44,9 @@ CREATE TABLE {schema}.outbox_published (
 CREATE INDEX outbox_published_message_id ON {schema}.outbox_published (message_id);
 CREATE INDEX outbox_published_at_desc ON {schema}.outbox_published (published_at);
 
--- Moves the rows an UPDATE just marked published into the history, in the same statement (so in
+-- Moves the rows an UPDATE just marked published into the history (relays that know partitions
+-- are enabled move them themselves, see outbox_move_published.sql; this catches every other
+-- marking statement: older relays in a rolling deploy, drain_outbox, a relay that never purges), in the same statement (so in
 -- the relay's own transaction: both or neither).  With no partition for their published_at yet
 -- (maintenance fell behind the clock) the rows stay in the outbox, marked, as before
 -- partitioning: the relay never fails a publish over retention, and the next maintenance moves them.
