@@ -1,21 +1,23 @@
 """Retention benchmark: dropping partitions of published outbox rows vs DELETE, measured side by side in one run.
 
-    python benchmarks/retention.py [--rows 10000000] [--relay-rows 20000] [--rounds 3] [--batch-size 500]
+    python benchmarks/retention.py [--rows 10000000] [--during-rows N] [--relay-rows 20000] [--rounds 5]
+                                   [--batch-size 500]
 
 Three schemas on the same servers: ``del`` keeps ``--rows`` published rows in the outbox (no
 partitions, as today); ``part`` has partitions enabled and the same rows in the partitioned
 history; ``empty`` has partitions enabled and keeps nothing.  Rows are loaded with one
 ``INSERT ... SELECT generate_series`` each.
-  1. relay throughput (our relay draining ``--relay-rows`` rows into RabbitMQ) and claim
-     throughput (the relay's statements alone, no publish) with the rows retained vs the empty
-     schema, in ``--rounds`` interleaved rounds (medians): ``retained_relay_ratio``,
+  1. relay throughput (our relay draining ``--relay-rows`` rows into RabbitMQ, marking them as a
+     running relay does once it maintained the partitions) and claim throughput (the relay's
+     claim and mark statements alone, no publish) with the rows retained vs the empty schema,
+     in ``--rounds`` interleaved rounds (medians): ``retained_relay_ratio``,
      ``retained_claim_ratio`` (and the same for ``del``, for reference);
-  2. the purge of every retained row: ``DELETE`` in batches (the relay's ``purge_published``)
-     vs ``partitions.maintain`` dropping the expired partitions: time, WAL bytes
-     (``pg_current_wal_lsn`` before and after), table size after; ``purge_speedup``,
-     ``purge_wal_ratio``.  Meanwhile a relay drains ``--relay-rows`` batches again and again:
-     its throughput during each purge.  Its own WAL (measured per row in step 1) is subtracted
-     from the purge's WAL.
+  2. the purge of every retained row, nothing else running: ``DELETE`` in batches (the relay's
+     ``purge_published``) vs ``partitions.maintain`` dropping the expired partitions: time, WAL
+     bytes (``pg_current_wal_lsn`` before and after), table size after; ``purge_speedup``,
+     ``purge_wal_ratio``;
+  3. ``--during-rows`` (default a tenth of ``--rows``) loaded again and purged again while a
+     relay drains ``--relay-rows`` rows over and over: its throughput during each purge.
 Everything created is dropped at the end.  The last line printed is one JSON object.
 """
 
@@ -37,9 +39,9 @@ import psycopg
 from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).parent))
-from relay import DATABASE_URL, RABBITMQ_URL, db_batch_ms, drain_rate, fast_fill, log
+from relay import DATABASE_URL, RABBITMQ_URL, fast_fill, log, ready
 
-from dramatiq_reliable import OutboxBroker, migrate, partitions
+from dramatiq_reliable import OutboxBroker, Relay, _sql, migrate, partitions
 from dramatiq_reliable.outbox.relay import purge_published
 
 DAY_MS = 86_400_000
@@ -90,74 +92,116 @@ def load_retained(schema: str, table: str, template: bytes, rows: int) -> None:
 
 
 def relay_round(broker: OutboxBroker, queue: str, template: bytes, rows: int, batch_size: int) -> float:
+    """Rows/s of a relay draining ``rows`` new rows, marking them as a running relay does."""
     fast_fill(broker.schema, template, [queue], rows)
-    return drain_rate(broker, [queue], batch_size)
+    relay = Relay.from_broker(broker, batch_size=batch_size)
+    try:
+        # What Relay.run does at its first purge: learn whether to move rows to the partitions.
+        relay._mark = partitions.maintain_for_relay(relay.database, schema=broker.schema)
+        ready(relay, [queue])
+        started = time.perf_counter()
+        published = relay.drain()
+        return published / (time.perf_counter() - started)
+    finally:
+        relay.publisher.close()
 
 
 def claim_round(schema: str, template: bytes, queue: str, rows: int, batch_size: int) -> float:
-    """Rows/s of the relay's own statements (claim, mark, commit) with no publish between."""
+    """Rows/s of the relay's own claim and mark statements with no publish between."""
     fast_fill(schema, template, [queue], rows)
-    return batch_size / db_batch_ms(schema, batch_size) * 1000
+    with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+        mark = partitions.maintain_for_relay(DATABASE_URL, schema=schema)
+        claimed = 0
+        started = time.perf_counter()
+        while True:
+            with conn.transaction():
+                ids = [
+                    row[0]
+                    for row in conn.execute(
+                        _sql.query("outbox_claim", schema), {"batch_size": batch_size, "max_attempts": 25}
+                    )
+                ]
+                if not ids:
+                    break
+                conn.execute(_sql.query(mark, schema), {"ids": ids})
+            claimed += len(ids)
+        return claimed / (time.perf_counter() - started)
 
 
-def purge_case(
-    name: str,
-    purge: Any,
-    broker: OutboxBroker,
-    queue: str,
-    template: bytes,
-    args: argparse.Namespace,
-    wal_per_row: float,
-) -> dict[str, Any]:
-    """Run ``purge`` while a relay drains again and again; time, WAL and relay rate during it."""
-    done = threading.Event()
-    rates: list[float] = []
-    relayed = [0]
-
-    def relay_loop() -> None:
-        while not done.is_set():
-            rates.append(relay_round(broker, queue, template, args.relay_rows, args.batch_size))
-            relayed[0] += args.relay_rows
-
-    table = "outbox_published" if name == "drop" else "outbox"
+def purge_case(name: str, purge: Any, schema: str, table: str) -> dict[str, Any]:
+    """Run ``purge`` with nothing else running: time, WAL bytes, the table's size after."""
     with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
         before = wal_lsn(conn)
-        thread = threading.Thread(target=relay_loop)
-        thread.start()
         started = time.perf_counter()
         purge()
         elapsed = time.perf_counter() - started
         wal = wal_lsn(conn) - before
-        done.set()
-        thread.join()
-        # The relay's rows finished after the purge wrote WAL too; only those within count here.
-        relay_wal = wal_per_row * min(relayed[0], args.relay_rows * max(1, len(rates)))
         return {
             f"{name}_s": round(elapsed, 3),
-            f"{name}_wal_bytes": max(0, int(wal - relay_wal)),
-            f"{name}_wal_bytes_with_relay": wal,
-            f"{name}_table_bytes_after": size(conn, broker.schema, table),
-            f"{name}_relay_rows_per_s_during": round(statistics.median(rates), 1) if rates else None,
+            f"{name}_wal_bytes": wal,
+            f"{name}_table_bytes_after": size(conn, schema, table),
         }
+
+
+def relay_during(purge: Any, broker: OutboxBroker, queue: str, template: bytes, args: argparse.Namespace) -> float:
+    """Median rows/s of relay drains run back to back while ``purge`` runs (at least one)."""
+    done = threading.Event()
+    rates: list[float] = []
+
+    def relay_loop() -> None:
+        while not done.is_set() or not rates:
+            rates.append(relay_round(broker, queue, template, args.relay_rows, args.batch_size))
+
+    thread = threading.Thread(target=relay_loop)
+    thread.start()
+    try:
+        purge()
+    finally:
+        done.set()
+        thread.join()
+    return round(statistics.median(rates), 1)
+
+
+def rabbit(queue: str, method: str) -> None:
+    """Purge or delete ``queue`` on a connection of its own (a long load would let one time out)."""
+    connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+    try:
+        getattr(connection.channel(), method)(queue)
+    finally:
+        connection.close()
+
+
+def set_retention(schema: str, retention_ms: int) -> None:
+    with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("UPDATE {} SET retention_ms = %s").format(sql.Identifier(schema, "partitioned_tables")),
+            (retention_ms,),
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=10_000_000, help="published rows retained")
+    parser.add_argument("--during-rows", type=int, default=None, help="rows purged while a relay runs (rows/10)")
     parser.add_argument("--relay-rows", type=int, default=20_000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=500)
     args = parser.parse_args()
+    during_rows = args.rows // 10 if args.during_rows is None else args.during_rows
 
     tag = uuid.uuid4().hex[:8]
     queue = f"perfretention_{tag}"
     names = {kind: f"perfretention_{kind}_{tag}" for kind in ("del", "part", "empty")}
     brokers: dict[str, OutboxBroker] = {}
-    admin = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL)).channel()
     template = dramatiq.Message(
         queue_name=queue, actor_name="bench_actor", args=(1, "x" * 40), kwargs={}, options={}
     ).encode()
-    results: dict[str, Any] = {"rows": args.rows, "relay_rows": args.relay_rows, "rounds": args.rounds}
+    results: dict[str, Any] = {
+        "rows": args.rows,
+        "during_rows": during_rows,
+        "relay_rows": args.relay_rows,
+        "rounds": args.rounds,
+    }
     try:
         for kind, schema in names.items():
             migrate(DATABASE_URL, schema=schema)
@@ -170,19 +214,15 @@ def main() -> None:
         load_retained(names["part"], "outbox_published", template, args.rows)
         log(f"loaded in {time.perf_counter() - started:.0f}s")
 
+        # 1. Relay and claim with the rows retained vs none, interleaved.
         relay: dict[str, list[float]] = {kind: [] for kind in names}
         claim: dict[str, list[float]] = {kind: [] for kind in names}
-        wal_rows: list[float] = []
-        with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
-            for round_ in range(args.rounds):
-                for kind in ("part", "empty", "del"):
-                    before = wal_lsn(conn)
-                    relay[kind].append(relay_round(brokers[kind], queue, template, args.relay_rows, args.batch_size))
-                    if kind == "empty":
-                        wal_rows.append((wal_lsn(conn) - before) / args.relay_rows)
-                    claim[kind].append(claim_round(names[kind], template, queue, args.relay_rows, args.batch_size))
-                    admin.queue_purge(queue)
-                log(f"round {round_ + 1}: relay {[round(v[-1]) for v in relay.values()]} rows/s")
+        for round_ in range(args.rounds):
+            for kind in ("part", "empty", "del"):
+                relay[kind].append(relay_round(brokers[kind], queue, template, args.relay_rows, args.batch_size))
+                claim[kind].append(claim_round(names[kind], template, queue, args.relay_rows, args.batch_size))
+                rabbit(queue, "queue_purge")
+            log(f"round {round_ + 1}: relay {[round(v[-1]) for v in relay.values()]} rows/s (del, part, empty)")
         med = {kind: statistics.median(values) for kind, values in relay.items()}
         cmed = {kind: statistics.median(values) for kind, values in claim.items()}
         results.update(
@@ -193,56 +233,47 @@ def main() -> None:
                 "retained_relay_ratio": round(med["part"] / med["empty"], 3),
                 "retained_relay_ratio_unpartitioned": round(med["del"] / med["empty"], 3),
                 "claim_rows_per_s_empty": round(cmed["empty"], 1),
+                "claim_rows_per_s_retained_partitioned": round(cmed["part"], 1),
+                "claim_rows_per_s_retained_unpartitioned": round(cmed["del"], 1),
                 "retained_claim_ratio": round(cmed["part"] / cmed["empty"], 3),
                 "retained_claim_ratio_unpartitioned": round(cmed["del"] / cmed["empty"], 3),
                 "relay_spread": {k: [round(min(v)), round(max(v))] for k, v in relay.items()},
+                "claim_spread": {k: [round(min(v)), round(max(v))] for k, v in claim.items()},
             }
         )
 
-        # Retention of one day: every retained row has expired.
-        with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("UPDATE {} SET retention_ms = %s").format(sql.Identifier(names["part"], "partitioned_tables")),
-                (DAY_MS,),
-            )
-        wal_per_row = statistics.median(wal_rows)
+        # 2. The purge alone.  A retention of one day: every retained row has expired.
+        set_retention(names["part"], DAY_MS)
         log("purging by DELETE")
-        results.update(
-            purge_case(
-                "delete",
-                lambda: purge_published(DATABASE_URL, schema=names["del"], older_than_ms=DAY_MS),
-                brokers["del"],
-                queue,
-                template,
-                args,
-                wal_per_row,
-            )
-        )
-        admin.queue_purge(queue)
+        delete = lambda: purge_published(DATABASE_URL, schema=names["del"], older_than_ms=DAY_MS)  # noqa: E731
+        drop = lambda: partitions.maintain(DATABASE_URL, schema=names["part"])  # noqa: E731
+        results.update(purge_case("delete", delete, names["del"], "outbox"))
         log("purging by dropping partitions")
-        results.update(
-            purge_case(
-                "drop",
-                lambda: partitions.maintain(DATABASE_URL, schema=names["part"]),
-                brokers["part"],
-                queue,
-                template,
-                args,
-                wal_per_row,
-            )
-        )
+        results.update(purge_case("drop", drop, names["part"], "outbox_published"))
         results["purge_speedup"] = round(results["delete_s"] / max(results["drop_s"], 1e-6), 1)
         results["purge_wal_ratio"] = round(results["drop_wal_bytes"] / max(results["delete_wal_bytes"], 1), 5)
+
+        # 3. A relay draining while each purge runs.
+        if during_rows:
+            set_retention(names["part"], 7 * DAY_MS)
+            partitions.maintain(DATABASE_URL, schema=names["part"])  # the window's partitions again
+            load_retained(names["del"], "outbox", template, during_rows)
+            load_retained(names["part"], "outbox_published", template, during_rows)
+            set_retention(names["part"], DAY_MS)
+            log(f"purging {during_rows} rows each way with a relay draining")
+            results["delete_relay_rows_per_s_during"] = relay_during(delete, brokers["del"], queue, template, args)
+            rabbit(queue, "queue_purge")
+            results["drop_relay_rows_per_s_during"] = relay_during(drop, brokers["part"], queue, template, args)
+            rabbit(queue, "queue_purge")
         with open("/proc/loadavg") as load:
             results["loadavg"] = load.read().split()[:3]
     finally:
         for broker in brokers.values():
             broker.close()
-        admin.queue_delete(queue)
-        admin.connection.close()
         with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
             for schema in names.values():
                 conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+        rabbit(queue, "queue_delete")
     print(json.dumps(results), flush=True)
 
 

@@ -70,6 +70,7 @@ CHECKS = (
     "indexes",
     "bloat",
     "relay",
+    "partitions",
     "rabbitmq",
     "consumer_timeout",
     "clock",

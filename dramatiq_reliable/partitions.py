@@ -34,9 +34,11 @@ while relays run: no downtime, and relays of any version keep working (they only
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -141,8 +143,14 @@ def enable(
     """
     _check(interval_ms, ahead, retention_ms)
     check_int("batch_size", batch_size, minimum=1, fix="e.g. batch_size=5000")
-    database = Database.of(database)
     _sql.validate_schema(schema)
+    with _opened(database) as db:
+        return _enable(db, schema, interval_ms, ahead, retention_ms, batch_size)
+
+
+def _enable(
+    database: Database, schema: str, interval_ms: int, ahead: int, retention_ms: int, batch_size: int
+) -> PartitionStatus:
     with database.connection() as conn, conn.transaction():
         _ready(conn, schema)
         row = (
@@ -175,9 +183,9 @@ def disable(database: DatabaseLike, *, schema: str = _sql.DEFAULT_SCHEMA) -> Non
     The partitions and their rows are left as they are (readers still see them); drop them by
     hand once they expired.
     """
-    database = Database.of(database)
     _sql.validate_schema(schema)
-    with database.connection() as conn, conn.transaction():
+    with _opened(database) as db, db.connection() as conn, conn.transaction():
+        _ready(conn, schema)
         conn.execute(_sql.query("partitions_untrigger", schema))
         conn.execute(
             sql.SQL("DELETE FROM {}.partitioned_tables WHERE table_name = %(t)s").format(sql.Identifier(schema)),
@@ -198,10 +206,9 @@ def maintain(
     it.  One maintainer at a time: a run that finds another's lease returns ``skipped=True``.
     Each statement commits on its own (a detach ``CONCURRENTLY`` cannot run in a transaction).
     """
-    database = Database.of(database)
     _sql.validate_schema(schema)
     check_int("batch_size", batch_size, minimum=1, fix="e.g. batch_size=5000")
-    with database.autocommit() as conn:
+    with _opened(database) as db, db.autocommit() as conn:
         version = schema_module.current_version(conn, schema=schema)
         if version is None or version < _VERSION:
             # A relay of this version on a schema not migrated yet: nothing can be enabled there.
@@ -214,7 +221,7 @@ def maintain(
             settings = _settings(conn, schema)
             if settings is None:
                 return PartitionStatus(enabled=False)
-            return dataclasses.replace(partition_status(database, schema=schema), skipped=True)
+            return dataclasses.replace(partition_status(db, schema=schema), skipped=True)
         covered_until = None
         try:
             status = _maintain(conn, schema, lease, batch_size, install=_install)
@@ -238,9 +245,8 @@ def maintain_for_relay(database: DatabaseLike, *, schema: str) -> str:
 
 def partition_status(database: DatabaseLike, *, schema: str = _sql.DEFAULT_SCHEMA) -> PartitionStatus:
     """The settings and partitions of ``schema``'s partitioned outbox history, read only."""
-    database = Database.of(database)
     _sql.validate_schema(schema)
-    with database.connection() as conn, conn.transaction():
+    with _opened(database) as db, db.connection() as conn, conn.transaction():
         settings = _settings(conn, schema)
         if settings is None:
             return PartitionStatus(enabled=False)
@@ -252,6 +258,17 @@ def partition_status(database: DatabaseLike, *, schema: str = _sql.DEFAULT_SCHEM
             partitions=tuple(info for info, pending in _partitions(conn, schema) if not pending),
             left_in_outbox=_left_in_outbox(conn, schema),
         )
+
+
+@contextlib.contextmanager
+def _opened(database: DatabaseLike) -> Iterator[Database]:
+    """``database`` as a :class:`Database`; a pool this call made from a URL is closed after it."""
+    made = Database.of(database)
+    try:
+        yield made
+    finally:
+        if made is not database and made.owned:
+            made.close()
 
 
 def _ready(conn: psycopg.Connection[Any], schema: str) -> None:
