@@ -48,6 +48,7 @@ from psycopg.rows import dict_row
 from . import _sql
 from . import schema as schema_module
 from ._checks import MAX_MS, check_int, check_ms
+from ._util import first_line
 from .database import Database, DatabaseLike
 from .errors import ConfigurationError
 
@@ -239,7 +240,22 @@ def maintain_for_relay(database: DatabaseLike, *, schema: str) -> str:
     ``outbox_move_published`` moves them to the history itself once partitions are enabled (the
     trigger's way pays for an UPDATE as well); ``outbox_mark_published`` otherwise.
     """
-    enabled = maintain(database, schema=schema).enabled
+    try:
+        enabled = maintain(database, schema=schema).enabled
+    except psycopg.Error as error:
+        if isinstance(error, psycopg.InterfaceError) or (
+            isinstance(error, psycopg.OperationalError) and not error.sqlstate
+        ):
+            raise  # Postgres unreachable: the relay's own outage handling waits it out
+        # Anything else (a role that may not create tables, a lock timeout) must not stop the
+        # relay publishing: it marks in place, the safe way, and says why at every purge.
+        logger.error(
+            "partition maintenance of schema %r failed: %s; published rows are marked in place until it succeeds "
+            "(run 'dramatiq-reliable partitions maintain' to see the whole error)",
+            schema,
+            first_line(error),
+        )
+        return "outbox_mark_published"
     return "outbox_move_published" if enabled else "outbox_mark_published"
 
 

@@ -110,6 +110,9 @@ def test_the_relay_moves_what_it_publishes_and_jobs_show_still_finds_it(
     assert _published(db, db_schema, "outbox") == 0
     assert _published(db, db_schema, "outbox_published") == 5
     assert show_job(database_url, db_schema, messages[0].message_id).state == "published_no_news"
+    # The doctor's relay heartbeat reads the newest publish from the history too.
+    relay = next(f for f in diagnose(database_url, schema_name=db_schema) if f.check == "relay")
+    assert relay.details["last_published_at"] is not None
 
 
 def test_a_relay_that_maintained_the_partitions_moves_rows_itself_while_a_partition_covers_now(
@@ -139,6 +142,26 @@ def test_a_relay_that_maintained_the_partitions_moves_rows_itself_while_a_partit
     finally:
         relay.publisher.close()
     assert rabbit.count(queue_name) == 4
+
+
+def test_a_relay_whose_maintenance_fails_keeps_publishing_and_marks_in_place(
+    database_url, db, db_schema, broker: OutboxBroker, queue_name, rabbit, caplog
+):
+    partitions.enable(database_url, schema=db_schema, interval_ms=HOUR_MS, ahead=1, retention_ms=HOUR_MS)
+    newest = partitions.partition_status(database_url, schema=db_schema).partitions[-1]
+    db.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(db_schema, newest.name)))
+    # A table of that name that cannot be attached: every maintenance now fails.
+    db.execute(sql.SQL("CREATE TABLE {} (id text)").format(sql.Identifier(db_schema, newest.name)))
+    task = dramatiq.actor(lambda n: None, actor_name=f"{queue_name}_a", queue_name=queue_name, broker=broker)
+    relay = Relay.from_broker(broker)
+    try:
+        relay.purge()
+        assert "partition maintenance of schema" in caplog.text
+        task.send(1)
+        assert relay.drain() == 1
+    finally:
+        relay.publisher.close()
+    assert rabbit.count(queue_name) == 1
 
 
 def test_rows_marked_with_no_partition_stay_in_the_outbox_until_maintenance_moves_them(database_url, db, db_schema):
