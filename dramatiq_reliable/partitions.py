@@ -4,16 +4,21 @@ Why a history table and not a partitioned outbox.  The relay's claim and an idle
 walk the partial indexes of the unpublished rows; they must stay as small as the backlog, and
 every producer's ``INSERT`` must keep hitting one plain table.  Partitioning the outbox itself
 would force ``published_at`` (NULL while a row waits) into its primary key and turn each mark
-into a cross-partition row move.  So the outbox stays as it is, and once a schema is enabled a
-statement trigger (migration 16) moves the rows a relay marks published into
-``outbox_published``, a table partitioned by range on ``published_at``, in the same statement
-and transaction as the mark: a row is in exactly one of the two tables at any instant, and the
-hot table holds only what waits.  Retention then detaches (``CONCURRENTLY``) and drops whole
-partitions whose upper bound is past retention, so every row in a dropped partition had expired;
-partitions are made ``ahead`` intervals in advance as plain tables and attached (a SHARE UPDATE
-EXCLUSIVE lock, which never blocks a relay's insert).  If maintenance falls behind the clock,
-the trigger leaves rows in the outbox, marked, exactly as without partitions (the relay never
-fails a publish over retention), and the next maintenance moves them.
+into a cross-partition row move.  So the outbox stays as it is, and once a schema is enabled the
+rows a relay confirms move to ``outbox_published``, a table partitioned by range on
+``published_at``, in the statement and transaction that would have marked them: a row is in
+exactly one of the two tables at any instant, and the hot table holds only what waits.  A relay
+that ran :func:`maintain_for_relay` moves them itself (``DELETE ... INSERT``, about the work of
+the ``UPDATE`` it replaces); a statement trigger (migration 16) moves what any other statement
+marks (an older relay in a rolling deploy, ``drain_outbox``), paying for the ``UPDATE`` as well.
+
+Retention detaches (``CONCURRENTLY``) and drops whole partitions whose upper bound is past
+retention, so every row in a dropped partition had expired; partitions are made ``ahead``
+intervals in advance as plain tables and attached (a SHARE UPDATE EXCLUSIVE lock, which never
+blocks a relay's insert).  If maintenance falls behind the clock, rows stay in the outbox,
+marked, exactly as without partitions, and the next maintenance moves them: the trigger swallows
+"no partition for this row", and the relay's own move checks ``covered_until`` (the end of the
+newest partition, kept by maintenance) first.  A relay never fails a publish over retention.
 
 Why only the outbox.  ``PostgresBroker`` deletes a row when it is acked, so its table holds no
 finished rows to partition (only dead ``.XQ`` rows, few and purged by :mod:`.postgres.retention`).
