@@ -18,6 +18,8 @@ The checks, and what each one reads:
 * ``bloat``: dead rows against all rows per table of ours (``pg_stat_user_tables``; the
   ``pgstattuple`` extension is not assumed), and indexes larger than their table several times.
 * ``relay``: the outbox is its own heartbeat: the oldest row due and unpublished.
+* ``partitions``: once partitions are enabled, that a partition is made ahead of the clock (else
+  published rows stay in the outbox, purged row by row, until maintenance runs again).
 * ``consumer_timeout``: RabbitMQ's ``consumer_timeout`` (given; AMQP does not tell it) against the
   longest delay a worker would hold unacked and the longest job seen (open transactions, leases).
 * ``clock``: the app's clock against Postgres' (``clock_timestamp()``, half a round trip
@@ -42,6 +44,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import psycopg
+from psycopg import sql
 from psycopg.rows import dict_row
 
 from . import _sql, schema
@@ -67,6 +70,7 @@ CHECKS = (
     "indexes",
     "bloat",
     "relay",
+    "partitions",
     "rabbitmq",
     "consumer_timeout",
     "clock",
@@ -76,6 +80,8 @@ CHECKS = (
 # How long the doctor's own statements may run: a catalog read that takes longer is a finding
 # in itself, and a doctor must never hang a probe.
 _OWN_STATEMENT_TIMEOUT_MS = 10_000
+#: The migration that made the partitioned history of published outbox rows.
+_PARTITIONS_VERSION = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +175,7 @@ def diagnose(
             ("indexes", lambda: _indexes(conn, schema_name, applied)),
             ("bloat", lambda: _bloat(conn, schema_name, limits)),
             ("relay", lambda: _relay(conn, schema_name, applied, limits)),
+            ("partitions", lambda: _partitions(conn, schema_name, applied)),
         ]
         for name, check in checks:
             findings.append(_as_finding(_checked(conn, name, check)))
@@ -407,7 +414,8 @@ def _size(size: int) -> str:
 def _relay(conn: psycopg.Connection[Any], schema_name: str, version: int, limits: Thresholds) -> Finding:
     if version < schema.OUTBOX_VERSION:
         return Finding("relay", "ok", "no outbox to relay (schema not migrated)")
-    row = _one(conn, "doctor_relay", schema_name)
+    # Since migration 16 published rows may live in the partitioned history instead.
+    row = _one(conn, "doctor_relay_history" if version >= _PARTITIONS_VERSION else "doctor_relay", schema_name)
     age_s = row["oldest_due_age_s"]
     published = row["last_published_at"]
     details = {"due": int(row["due"]), "oldest_due_age_s": age_s, "last_published_at": published}
@@ -423,6 +431,36 @@ def _relay(conn: psycopg.Connection[Any], schema_name: str, version: int, limits
         )
     summary = "the relay keeps up" if row["due"] else "no outbox row waits for the relay"
     return Finding("relay", "ok", summary, details=details)
+
+
+def _partitions(conn: psycopg.Connection[Any], schema_name: str, version: int) -> Finding:
+    """Whether the partitioned history of published rows has partitions ahead of the clock."""
+    if version < _PARTITIONS_VERSION:
+        return Finding("partitions", "ok", "published rows are purged row by row (partitions need migration 16)")
+    parent = sql.Identifier(schema_name, "outbox_published").as_string(conn)
+    row = _one(conn, "doctor_partitions", schema_name, parent=parent)
+    if not row:
+        return Finding("partitions", "ok", "not enabled: published rows are purged row by row")
+    ahead_s, interval_s = row["ahead_s"], int(row["interval_ms"]) / 1000
+    details = {"covered_until": row["covered_until"], "maintained_at": row["maintained_at"], "ahead_s": ahead_s}
+    fix = "run 'dramatiq-reliable partitions maintain', and keep a relay (or a cron job of that command) running"
+    if ahead_s is None or ahead_s <= 0:
+        return Finding(
+            "partitions",
+            "fail",
+            "no partition holds rows published now: they stay in the outbox and are purged row by row",
+            fix,
+            details,
+        )
+    if ahead_s < interval_s:
+        return Finding(
+            "partitions",
+            "warn",
+            f"partitions end in {format_age(ahead_s)}: less than one partition ahead",
+            fix,
+            details,
+        )
+    return Finding("partitions", "ok", f"partitions made {format_age(ahead_s)} ahead", details=details)
 
 
 def _rows(count: int) -> str:

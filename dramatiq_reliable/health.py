@@ -602,7 +602,11 @@ def _read_postgres(
                 values["long_jobs_expired"] = int(row["expired"])
         limited = _schema.table_exists(conn, schema, "rate_limit_buckets")
         rate_limits = tuple(limited_keys(conn, schema)) if limited else ()
-        published = rows.execute(_sql.query("status_relay_published", schema)).fetchone()
+        # Since migration 16 published rows may live in the partitioned history instead.
+        history = _schema.table_exists(conn, schema, "outbox_published")
+        published = rows.execute(
+            _sql.query("status_relay_published_history" if history else "status_relay_published", schema)
+        ).fetchone()
         published_age = None if published is None or published["age_s"] is None else round(published["age_s"], 3)
     return _PostgresFacts(
         dead_letters_table=exists,

@@ -35,6 +35,7 @@ from . import (
     metrics,
     migrate,
     outbox,
+    partitions,
     relay,
     scheduler,
     schedules,
@@ -87,6 +88,7 @@ def build_parser() -> Parser:
     relay.register(commands, [common, rabbit])
     outbox.register(commands, [common])
     idempotency.register(commands, [common])
+    partitions.register(commands, [common])
     dead_letters.register(commands, [common])
     jobs.register(commands, [common])
     batches.register(commands, [common])

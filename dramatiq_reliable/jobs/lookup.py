@@ -39,7 +39,7 @@ from .. import _sql
 from .._checks import check_choice, check_int
 from ..database import Database, DatabaseLike
 from ..errors import JobNotFound
-from ..schema import JOBS_VERSION, ensure_ready
+from ..schema import JOBS_VERSION, ensure_ready, table_exists
 from .attempts import trace_id_of
 from .cancel import get_cancellation
 
@@ -142,6 +142,9 @@ Reader = Callable[[Lookup], Finding | None]
 
 
 def _one(lookup: Lookup, name: str) -> dict[str, Any] | None:
+    if name == "jobs_outbox" and table_exists(lookup.conn, lookup.schema, "outbox_published"):
+        # Published rows may have moved to the partitioned history (dramatiq_reliable.partitions).
+        name = "jobs_outbox_history"
     cursor = lookup.conn.cursor(row_factory=dict_row)
     row: dict[str, Any] | None = cursor.execute(
         _sql.query(name, lookup.schema), {"message_id": lookup.message_id}

@@ -38,7 +38,7 @@ from dramatiq.middleware import Middleware
 from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
-from .. import _sql, events, schema
+from .. import _sql, events, partitions, schema
 from .._checks import check_bool, check_choice, check_int, check_ms
 from .._util import first_line as _first_line
 from .._util import redact
@@ -249,9 +249,9 @@ class Relay:
         self._stop = threading.Event()
         self._checked_schema = False
         self._listener: psycopg.Connection[Any] | None = None
-        # The idle sleep in progress, in seconds (None while passing): what tests and
-        # debuggers look at to know the relay is idle.
+        # The idle sleep in progress, in seconds (None while passing): tests and debuggers read it.
         self._sleeping_s: float | None = None
+        self._mark = "outbox_mark_published"  # outbox_move_published once partitions are enabled
 
     @classmethod
     def from_broker(
@@ -526,13 +526,14 @@ class Relay:
         return len(outcome.confirmed)
 
     def purge(self, *, older_than_ms: int | None = None, batch_size: int = 5000) -> int:
-        """Delete published rows older than ``older_than_ms`` (default: ``retention_ms``)."""
+        """Delete published rows older than ``older_than_ms`` (default: ``retention_ms``); maintain partitions."""
         if older_than_ms is None:
             if self.retention_ms is None:
                 raise ConfigurationError(
                     "this relay keeps published rows (retention_ms=None); pass older_than_ms= to purge()"
                 )
             older_than_ms = self.retention_ms
+        self._mark = partitions.maintain_for_relay(self.database, schema=self.schema)  # drops expired ones too
         return purge_published(self.database, schema=self.schema, older_than_ms=older_than_ms, batch_size=batch_size)
 
     # -- the loop --------------------------------------------------------------------------
@@ -739,7 +740,7 @@ class _Batch:
         """Mark (or delete) the confirmed rows, charge the failed ones, commit."""
         try:
             if outcome.confirmed:
-                done = "outbox_delete_published" if relay.on_published == "delete" else "outbox_mark_published"
+                done = "outbox_delete_published" if relay.on_published == "delete" else relay._mark
                 self.conn.execute(_sql.query(done, relay.schema), {"ids": outcome.confirmed})
             if outcome.failed:
                 relay._record_failures(self.conn, self.publications, outcome.failed, outcome.timed_out)

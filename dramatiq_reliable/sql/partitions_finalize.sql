@@ -1,0 +1,1 @@
+ALTER TABLE {schema}.{parent} DETACH PARTITION {schema}.{name} FINALIZE

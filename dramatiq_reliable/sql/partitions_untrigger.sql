@@ -1,0 +1,1 @@
+DROP TRIGGER IF EXISTS outbox_move_published ON {schema}.outbox
