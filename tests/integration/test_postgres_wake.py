@@ -181,7 +181,7 @@ def test_migrating_drops_the_queue_trigger_keeps_waiting_rows_and_wakes_workers_
         waiting = _actor(broker, queue_name).send(5)
         with psycopg.connect(database_url, autocommit=True) as listen:
             listen.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel(unmigrated_schema))))
-            assert schema.migrate(database_url, schema=unmigrated_schema) == [18]
+            assert schema.migrate(database_url, schema=unmigrated_schema)[:1] == [18]  # later ones may follow
             # One notification with no payload, at the migration's commit: every consumer looks now.
             [note] = list(listen.notifies(timeout=5, stop_after=1))
             assert note.payload == ""
