@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 from typing import Any
 
 import psycopg
@@ -18,6 +19,7 @@ from .._checks import check_choice, check_int
 from ..database import Database, DatabaseLike
 from ..errors import JobNotFound
 from ..schema import BATCH_VERSION, ensure_ready, table_exists
+from .batch import BATCH_OPTION
 
 # list_batches, batch_children and batch_of_job are the web page's (internal, as jobs.detail is);
 # the public way to read a batch is batch_status().
@@ -179,6 +181,26 @@ def batch_of_job(database: Database, schema: str, message_id: str) -> tuple[str,
     with database.autocommit() as conn:
         if not table_exists(conn, schema, "batch_children"):
             return None
-        query = _sql.query("batch_of_job", schema)
-        row = conn.cursor(row_factory=dict_row).execute(query, {"message_id": message_id}).fetchone()
-    return None if row is None else (str(row["batch_id"]), str(row["state"]))
+        cursor = conn.cursor(row_factory=dict_row)
+        for row in cursor.execute(_sql.query("batch_of_job", schema), {"message_id": message_id}).fetchall():
+            batch_id = _batch_option(row["body"], row["message"])
+            if batch_id is None:
+                continue
+            params = {"batch_id": batch_id, "message_id": message_id}
+            child = cursor.execute(_sql.query("batch_child_state", schema), params).fetchone()
+            if child is not None:
+                return batch_id, str(child["state"])
+    return None
+
+
+def _batch_option(body: bytes | None, message: Any) -> str | None:
+    """The ``batch_id`` option of a stored message (an encoded body, or a dead letter's JSON); a
+    body another encoder wrote, or that is not an object, has none."""
+    if body is not None:
+        try:
+            message = json.loads(body)
+        except ValueError:
+            return None
+    options = message.get("options") if isinstance(message, dict) else None
+    value = options.get(BATCH_OPTION) if isinstance(options, dict) else None
+    return value if isinstance(value, str) and value else None

@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import dramatiq
+import psycopg
 import pytest
 from dramatiq.broker import MessageProxy
+from psycopg import sql
 from starlette.testclient import TestClient
 
 from dramatiq_reliable import OutboxBroker, PostgresBroker
@@ -92,7 +94,7 @@ def seed(broker: Any) -> tuple[Batch, list[Any]]:
 
 
 def test_the_list_and_a_batch_page_show_its_progress_and_children_dead_then_pending_then_done(
-    broker: Any, client_for: Any
+    broker: Any, client_for: Any, db: psycopg.Connection[Any], db_schema: str
 ) -> None:
     _, sent = seed(broker)
     client = client_for(create_app(broker=broker))
@@ -127,6 +129,16 @@ def test_the_list_and_a_batch_page_show_its_progress_and_children_dead_then_pend
     # A job that is no batch's child has no batch line.
     plain = broker.actors["invoice"].send(7)
     assert 'data-testid="job-batch"' not in client.get("/jobs/show", params={"id": plain.message_id}).text
+    # Nor has a job whose stored body another encoder wrote (not JSON): its page still draws.
+    table = "queue" if isinstance(broker, PostgresBroker) else "outbox"
+    db.execute(
+        sql.SQL("INSERT INTO {} (message_id, queue_name, actor_name, body) VALUES (%s, %s, 'invoice', %s)").format(
+            sql.Identifier(db_schema, table)
+        ),
+        ("pickled-1", broker.actors["invoice"].queue_name, b"\x80\x04\x95not json"),
+    )
+    pickled = client.get("/jobs/show", params={"id": "pickled-1"})
+    assert pickled.status_code == 200 and 'data-testid="job-batch"' not in pickled.text
 
 
 def test_bad_input_gets_a_400_page_an_unknown_batch_a_404_never_a_500(broker: Any, client_for: Any) -> None:
