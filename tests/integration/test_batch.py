@@ -287,3 +287,17 @@ def test_a_child_whose_commit_fails_is_not_counted_done_its_death_fails_the_batc
     assert outcomes == ["on_failure"], "the failed COMMIT took the 'done' count with it; the death failed the batch"
     status = batch_status(pg_batched.database, db_schema, batch.id)
     assert (status.done, status.dead, status.pending, status.state) == (0, 1, 0, "failed")
+
+
+def test_a_plain_send_inside_with_batch_is_not_a_child(pg_batched: PostgresBroker, db_schema: str) -> None:
+    @dramatiq.actor(queue_name="plain_inside", broker=pg_batched)
+    def job(n: int) -> None:
+        pass
+
+    batch = Batch(callback=job.message(-1), broker=pg_batched)
+    with pg_batched.transaction(), batch:
+        child = batch.add(job.message(1))
+        plain = job.send(2)  # documented: only batch.add makes a child
+    assert child.options[BATCH_OPTION] == batch.id and BATCH_OPTION not in plain.options
+    status = batch_status(pg_batched.database, db_schema, batch.id)
+    assert (status.total, status.pending, status.state) == (1, 1, "running")
