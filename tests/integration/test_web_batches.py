@@ -141,6 +141,8 @@ def test_the_list_and_a_batch_page_show_its_progress_and_children_dead_then_pend
     assert pickled.status_code == 200 and 'data-testid="job-batch"' not in pickled.text
 
 
+# What these two check does not depend on the broker: one is enough (the suite's time is shared).
+@pytest.mark.parametrize("broker", ["postgres"], indirect=True)
 def test_bad_input_gets_a_400_page_an_unknown_batch_a_404_never_a_500(broker: Any, client_for: Any) -> None:
     client = client_for(create_app(broker=broker))
     refused = client.get("/batches", params={"state": "exploded"})
@@ -154,6 +156,7 @@ def test_bad_input_gets_a_400_page_an_unknown_batch_a_404_never_a_500(broker: An
     assert bad_child.status_code == 400 and "state must be one of pending, done, dead" in bad_child.text
 
 
+@pytest.mark.parametrize("broker", ["postgres"], indirect=True)
 def test_the_batch_pages_keep_the_access_rules_of_every_page(broker: Any, client_for: Any) -> None:
     seed(broker)
     # No hook: loopback only.
