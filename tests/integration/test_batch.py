@@ -301,3 +301,38 @@ def test_a_plain_send_inside_with_batch_is_not_a_child(pg_batched: PostgresBroke
     assert child.options[BATCH_OPTION] == batch.id and BATCH_OPTION not in plain.options
     status = batch_status(pg_batched.database, db_schema, batch.id)
     assert (status.total, status.pending, status.state) == (1, 1, "running")
+
+
+def test_a_child_is_counted_with_its_jobs_commit_not_in_a_statement_of_its_own(
+    pg_batched: PostgresBroker, db_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One round trip fewer per child: the count rides on Idempotency's COMMIT (send_with_commit).
+    own_statements: list[str] = []
+    finish = Batches._finish
+
+    def spy(self: Batches, broker: Any, message: Any, *, dead: bool, conn: Any) -> str:
+        own_statements.append(message.message_id)
+        return finish(self, broker, message, dead=dead, conn=conn)
+
+    monkeypatch.setattr(Batches, "_finish", spy)
+    fired: list[int] = []
+
+    @dramatiq.actor(queue_name="with_commit", broker=pg_batched)
+    def child(n: int) -> None:
+        pass
+
+    @dramatiq.actor(queue_name="with_commit", broker=pg_batched)
+    def report() -> None:
+        fired.append(batch_status(pg_batched.database, db_schema, batch.id).done)
+
+    batch = Batch(callback=report.message(), broker=pg_batched)
+    with pg_batched.transaction(), batch:
+        for n in range(3):
+            batch.add(child.message(n))
+    worker = dramatiq.Worker(pg_batched, worker_timeout=20, worker_threads=2)
+    worker.start()
+    try:
+        wait_for(lambda: fired, timeout_ms=30_000, message="the callback never ran")
+    finally:
+        worker.stop()
+    assert fired == [3] and own_statements == [], "every child was counted in its COMMIT's round trip"
