@@ -1,6 +1,6 @@
 """Batches benchmark: a batch's children through a real worker vs plain messages, and callback latency.
 
-    python benchmarks/workflows.py [--n 10000] [--threads 8] [--batches 30] [--batch-size 20]
+    python benchmarks/workflows.py [--n 10000] [--threads 8] [--rounds 3] [--batches 30] [--batch-size 20]
 
 On a ``PostgresBroker`` with ``Idempotency`` (transactional) and ``Batches``, each phase in a fresh schema
 (a second phase in the same schema runs about a third slower, whichever it is):
@@ -10,6 +10,9 @@ On a ``PostgresBroker`` with ``Idempotency`` (transactional) and ``Batches``, ea
      until its callback has run (every child counts itself and the last one sends the callback).
   ``batch_ratio`` is (plain time) / (batch time): 1.0 means the counting costs nothing.  The send side
   (``send_ratio``) is reported too: a child is one more statement in the sender's transaction.
+  Phases 1 and 2 alternate for ``--rounds`` rounds (plain, batch, plain, batch, ...) so a shared
+  machine's load lands on both alike; each ratio is a round's, and the line gives their median with
+  the spread (``batch_ratio_min``/``batch_ratio_max``) and the load average beside it.
   3. latency: ``--batches`` batches of ``--batch-size`` children, one after the other; for each, the
      time from the last child's count (its ``finished_at``, Postgres' clock) to the callback starting
      (``clock_timestamp()`` read by the callback, same clock).  ``callback_p99_ms`` is their p99.
@@ -44,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=int(os.environ.get("WORKFLOWS_BENCH_N", "10000")))
     parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="plain/batch pairs, interleaved")
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=20)
     return parser.parse_args(argv)
@@ -145,30 +149,39 @@ def latencies(schema: str, batches: int, size: int, threads: int) -> list[float]
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
-    schemas = {kind: f"bench_workflows_{kind}_{uuid.uuid4().hex[:6]}" for kind in ("plain", "batch", "latency")}
+    kinds = [f"{kind}{r}" for r in range(args.rounds) for kind in ("plain", "batch")]
+    schemas = {kind: f"bench_workflows_{kind}_{uuid.uuid4().hex[:6]}" for kind in [*kinds, "latency"]}
+    load = os.getloadavg()[0]
     try:
         for schema in schemas.values():
             migrate(DATABASE_URL, schema=schema)
-        plain_send, plain = phase("plain", schemas["plain"], args.n, args.threads)
-        batch_send, batched = phase("batch", schemas["batch"], args.n, args.threads)
+        runs = {kind: phase(kind.rstrip("0123456789"), schemas[kind], args.n, args.threads) for kind in kinds}
         waits = sorted(latencies(schemas["latency"], args.batches, args.batch_size, args.threads))
     finally:
         with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
             for schema in schemas.values():
                 conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+    ratios = [runs[f"plain{r}"][1] / runs[f"batch{r}"][1] for r in range(args.rounds)]
+    send_ratios = [runs[f"plain{r}"][0] / runs[f"batch{r}"][0] for r in range(args.rounds)]
+    plain = statistics.median(runs[f"plain{r}"][1] for r in range(args.rounds))
+    batched = statistics.median(runs[f"batch{r}"][1] for r in range(args.rounds))
     p99 = waits[min(len(waits) - 1, round(0.99 * (len(waits) - 1)))]
     summary = {
         "benchmark": "workflows",
         "n": args.n,
         "threads": args.threads,
+        "rounds": args.rounds,
         "plain_per_s": round(args.n / plain, 1),
         "batch_per_s": round(args.n / batched, 1),
-        "batch_ratio": round(plain / batched, 3),
-        "send_ratio": round(plain_send / batch_send, 3),
+        "batch_ratio": round(statistics.median(ratios), 3),
+        "batch_ratio_min": round(min(ratios), 3),
+        "batch_ratio_max": round(max(ratios), 3),
+        "send_ratio": round(statistics.median(send_ratios), 3),
         "batches": args.batches,
         "batch_size": args.batch_size,
         "callback_p50_ms": round(statistics.median(waits), 1),
         "callback_p99_ms": round(p99, 1),
+        "load_1m": [round(load, 1), round(os.getloadavg()[0], 1)],
     }
     print(json.dumps(summary))
     return summary

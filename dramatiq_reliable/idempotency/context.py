@@ -103,6 +103,8 @@ class Running:
     schema: str | None = None
     # record mode: where the key is looked up before the run and recorded after it
     store: IdempotencyStore | None = None
+    # complete statements (values inlined) sent with the COMMIT, in its round trip: send_with_commit()
+    with_commit: list[bytes] = dataclasses.field(default_factory=list)
 
 
 # Before- and after-hooks of one message run in the same worker thread and context, so a
@@ -110,6 +112,22 @@ class Running:
 current_running: contextvars.ContextVar[Running | None] = contextvars.ContextVar(
     "dramatiq_reliable_idempotency_job", default=None
 )
+
+
+def send_with_commit(statement: bytes) -> bool:
+    """Run ``statement`` (complete SQL, its values inlined) in the running job's transaction, just
+    before its COMMIT and in the same round trip; ``False`` when no transactional job runs here.
+
+    Internal: for middleware whose last write of a job must commit with it (a batch child's
+    count), so it costs no round trip of its own.  A failing statement fails the commit, which
+    the middleware handles as any failed commit (the job is retried); a job that raised rolls
+    back and the statement never runs.
+    """
+    running = current_running.get()
+    if running is None or running.conn is None or running.job.mode != "transactional":
+        return False
+    running.with_commit.append(statement)
+    return True
 
 
 def current_job() -> Job:

@@ -616,6 +616,7 @@ class Idempotency(Middleware):
     def _end_transaction(self, running: Running, *, commit: bool) -> BaseException | None:
         """Commit or roll back, unbind and return the connection; the error of a failed commit."""
         conn, release, binding = running.conn, running.release, running.binding
+        with_commit, running.with_commit = running.with_commit, []
         restore_autocommit, running.restore_autocommit = running.restore_autocommit, False
         running.conn = running.release = running.binding = None
         if conn is None or release is None:
@@ -626,6 +627,9 @@ class Idempotency(Middleware):
                 # The actor swallowed a database error: COMMIT would quietly roll back.
                 failure = _Swallowed("the job's transaction was aborted by an earlier statement the actor caught")
                 conn.rollback()
+            elif commit and with_commit:
+                # The statements and the COMMIT as one simple query: one round trip, not one each.
+                psycopg.ClientCursor(conn).execute(b";\n".join([*with_commit, b"COMMIT"]))
             elif commit:
                 conn.commit()
             else:

@@ -36,7 +36,7 @@ from ..backing import SENDS_TO, SendsTo, postgres_backed
 from ..dead_letters import DEFAULT_REPLAY_MAX_AGE_MS, PostgresDeadLetterStore
 from ..errors import ConfigurationError, DatabaseUnavailable, SchemaNotReady
 from ..queue_depths import QueueDepths
-from . import actions, jobs, rate_limits, views
+from . import actions, batches, jobs, rate_limits, views
 from .access import Access, AccessHook, cross_site_problem, resolve
 from .pools import ReadPool, action_database
 from .rendering import render
@@ -249,6 +249,9 @@ def _routes() -> list[Route | Mount]:
         # The id in the query, not the path: an idempotency key may hold "/", "?" or "#".
         Route("/jobs/show", jobs.job, name="job"),
         Route("/jobs/cancel", jobs.cancel, methods=["POST"], name="job_cancel"),
+        Route("/batches", batches.batch_list, name="batches"),
+        # The id in the query, as the job page's: Batch(id=...) may hold "/".
+        Route("/batches/show", batches.batch, name="batch"),
         Route("/schedules", views.schedules, name="schedules"),
         Route("/rate-limits", rate_limits.rate_limits, name="rate_limits"),
         Route("/schedules/{name:str}/{verb:str}", actions.schedule_action, methods=["POST"], name="schedule_action"),

@@ -35,6 +35,7 @@ from ..idempotency.keys import MAX_KEY_BYTES
 from ..jobs.cancel import UNKNOWN, cancel_job
 from ..jobs.detail import JobDetail, job_detail
 from ..jobs.lookup import LISTABLE_STATES, list_jobs
+from ..workflows.status import batch_of_job
 from .actions import WebAction, who
 from .rendering import Flash, add_flash, link, render
 from .views import settings_of
@@ -135,6 +136,9 @@ def job(request: Request) -> Response:
             "cancellation": found.cancellation,
             "dead_letter_id": found.dead_letter_id,
             "cancellable": found.status.state in CANCELLABLE,
+            "batch": batch_of_job(
+                settings_of(request).reads.get(), settings_of(request).schema, found.status.message_id
+            ),
         },
     )
 

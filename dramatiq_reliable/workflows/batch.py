@@ -53,6 +53,7 @@ from ..binding import ambient_connection, bound_connection, check_joinable
 from ..database import Database
 from ..errors import ConfigurationError, DatabaseUnavailable, NotBound
 from ..idempotency._connections import autocommit
+from ..idempotency.context import send_with_commit
 from ..outbox.wake import channel
 
 __all__ = ["BATCH_OPTION", "Batch", "Batches", "IfChildDies"]
@@ -241,7 +242,20 @@ class Batches(Middleware):
         exception: BaseException | None = None,
     ) -> None:
         if exception is None and BATCH_OPTION in message.options:
-            self._finish(broker, message, dead=False, conn=bound_connection())
+            conn = bound_connection()
+            if conn is None or not self._with_commit(broker, message, conn):
+                self._finish(broker, message, dead=False, conn=conn)
+
+    def _with_commit(self, broker: Broker, message: MessageProxy, conn: psycopg.Connection[Any]) -> bool:
+        """Hand the count to ``Idempotency`` to send with the job's COMMIT; ``False`` if it runs no job here.
+
+        Same transaction, same outcome as counting now, one round trip fewer per child: under 8
+        worker threads the round trip, not the statement, is what a count costs.
+        """
+        _, schema, resend = self._target_of(broker)
+        params = {"batch_id": message.options[BATCH_OPTION], "message_id": message.message_id, "dead": False, **resend}
+        statement = psycopg.ClientCursor(conn).mogrify(_sql.rendered("batch_finish", schema), params)
+        return send_with_commit(statement.encode(conn.info.encoding))
 
     def after_nack(self, broker: Broker, message: MessageProxy) -> None:
         # The worker gave up on it: its job transaction rolled back, so the death is recorded alone.

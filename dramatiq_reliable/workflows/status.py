@@ -1,20 +1,34 @@
-"""Progress of a batch by id: n of m done, dead, pending, sealed, when its callback fired."""
+"""Progress of a batch by id: n of m done, dead, pending, sealed, when its callback fired.
+
+Also what the web page lists: the newest batches (:func:`list_batches`), one batch's children
+and their states (:func:`batch_children`), and the batch a job belongs to (:func:`batch_of_job`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
 
 from .. import _sql
+from .._checks import check_choice, check_int
 from ..database import Database, DatabaseLike
 from ..errors import JobNotFound
-from ..schema import BATCH_VERSION, ensure_ready
+from ..schema import BATCH_VERSION, ensure_ready, table_exists
+from .batch import BATCH_OPTION
 
+# list_batches, batch_children and batch_of_job are the web page's (internal, as jobs.detail is);
+# the public way to read a batch is batch_status().
 __all__ = ["BatchStatus", "batch_status"]
+
+#: The states :func:`list_batches` filters by (``BatchStatus.state``).
+BATCH_STATES = ("open", "running", "succeeded", "failed")
+#: The states of one child (``batch_children``'s ``state`` column).
+CHILD_STATES = ("pending", "done", "dead")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +94,10 @@ def batch_status(
             f"no batch {id!r} in schema {schema!r}; check the id (Batch.id), and that the transaction that created "
             "it committed"
         )
+    return _status(row)
+
+
+def _status(row: dict[str, Any]) -> BatchStatus:
     total, pending, dead = int(row["total"]), int(row["pending"]), int(row["dead"])
     return BatchStatus(
         id=row["id"],
@@ -99,3 +117,90 @@ def batch_status(
 def _read(conn: psycopg.Connection[Any], schema: str, id: str) -> dict[str, Any] | None:
     ensure_ready(conn, schema=schema, required=BATCH_VERSION, feature="batches")
     return conn.cursor(row_factory=dict_row).execute(_sql.query("batch_status", schema), {"id": id}).fetchone()
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchChild:
+    """One child of a batch: its message id (the job page's id), ``pending``/``done``/``dead``, when it finished."""
+
+    message_id: str
+    state: str
+    finished_at: datetime.datetime | None
+
+
+def list_batches(
+    database: Database, schema: str = _sql.DEFAULT_SCHEMA, *, state: str | None = None, limit: int = 50
+) -> list[BatchStatus]:
+    """The newest ``limit`` batches, or those in ``state`` (``open``, ``running``, ``succeeded``, ``failed``).
+
+    Each row's counts are summed over its shards, as :func:`batch_status` sums them.
+    """
+    schema = _sql.validate_schema(schema)
+    if state is not None:
+        check_choice("state", state, BATCH_STATES, fix="or None for every batch")
+    check_int("limit", limit, minimum=1, maximum=10_000)
+    with database.autocommit() as conn:
+        ensure_ready(conn, schema=schema, required=BATCH_VERSION, feature="batches")
+        query = _sql.query("batch_list", schema)
+        rows = conn.cursor(row_factory=dict_row).execute(query, {"state": state, "limit": limit}).fetchall()
+    return [_status(row) for row in rows]
+
+
+def batch_children(
+    database: Database, schema: str = _sql.DEFAULT_SCHEMA, id: str = "", *, state: str | None = None, limit: int = 50
+) -> list[BatchChild]:
+    """Up to ``limit`` children of batch ``id`` (or those in ``state``): dead first, then pending, then done.
+
+    The order puts what keeps a batch from finishing on top; it reads (and sorts) every child of
+    the batch matching ``state``, through the children's primary key.
+    """
+    schema = _sql.validate_schema(schema)
+    if state is not None:
+        check_choice("state", state, CHILD_STATES, fix="or None for every child")
+    check_int("limit", limit, minimum=1, maximum=10_000)
+    with database.autocommit() as conn:
+        ensure_ready(conn, schema=schema, required=BATCH_VERSION, feature="batches")
+        cursor = conn.cursor(row_factory=dict_row)
+        rows = cursor.execute(
+            _sql.query("batch_children", schema), {"id": id, "state": state, "limit": limit}
+        ).fetchall()
+    return [
+        BatchChild(message_id=row["message_id"], state=row["state"], finished_at=row["finished_at"]) for row in rows
+    ]
+
+
+def batch_of_job(database: Database, schema: str, message_id: str) -> tuple[str, str] | None:
+    """``(batch id, the child's state)`` for a job that is a batch's child, else ``None``.
+
+    Found through the message's ``batch_id`` option where Postgres still holds a copy of the
+    message: a waiting or retained outbox row, a queue row (waiting, running, retrying) or its
+    dead letter.  A child that finished on a ``PostgresBroker`` (its queue row deleted) is not
+    found here: open its batch's page instead.  ``None`` too before the batches migration.
+    """
+    schema = _sql.validate_schema(schema)
+    with database.autocommit() as conn:
+        if not table_exists(conn, schema, "batch_children"):
+            return None
+        cursor = conn.cursor(row_factory=dict_row)
+        for row in cursor.execute(_sql.query("batch_of_job", schema), {"message_id": message_id}).fetchall():
+            batch_id = _batch_option(row["body"], row["message"])
+            if batch_id is None:
+                continue
+            params = {"batch_id": batch_id, "message_id": message_id}
+            child = cursor.execute(_sql.query("batch_child_state", schema), params).fetchone()
+            if child is not None:
+                return batch_id, str(child["state"])
+    return None
+
+
+def _batch_option(body: bytes | None, message: Any) -> str | None:
+    """The ``batch_id`` option of a stored message (an encoded body, or a dead letter's JSON); a
+    body another encoder wrote, or that is not an object, has none."""
+    if body is not None:
+        try:
+            message = json.loads(body)
+        except ValueError:
+            return None
+    options = message.get("options") if isinstance(message, dict) else None
+    value = options.get(BATCH_OPTION) if isinstance(options, dict) else None
+    return value if isinstance(value, str) and value else None

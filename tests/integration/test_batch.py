@@ -22,6 +22,7 @@ from dramatiq_reliable import (
     OutboxBroker,
     PostgresBroker,
     WorkerRelay,
+    job_connection,
 )
 from dramatiq_reliable.cli import main
 from dramatiq_reliable.testing import wait_for
@@ -251,3 +252,87 @@ def test_ten_thousand_children_stream_into_one_batch(pg_batched: PostgresBroker,
     elapsed = time.monotonic() - started
     status = batch_status(pg_batched.database, db_schema, batch.id)
     assert (status.total, status.pending, status.state) == (count, count, "running"), elapsed
+
+
+def test_a_child_whose_commit_fails_is_not_counted_done_its_death_fails_the_batch(
+    pg_batched: PostgresBroker, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    # The count travels with the job's COMMIT (one round trip): a COMMIT that fails must take it along.
+    db.execute(
+        sql.SQL(
+            "CREATE TABLE {parents} (id int PRIMARY KEY);"
+            "CREATE TABLE {rows} (parent int REFERENCES {parents} DEFERRABLE INITIALLY DEFERRED)"
+        ).format(parents=sql.Identifier(db_schema, "parents"), rows=sql.Identifier(db_schema, "rows"))
+    )
+    outcomes: list[str] = []
+
+    @dramatiq.actor(queue_name="commit", broker=pg_batched)
+    def child(n: int) -> None:
+        # Passes every statement; its COMMIT fails the deferred foreign key (a permanent failure).
+        job_connection().execute(sql.SQL("INSERT INTO {} VALUES (%s)").format(sql.Identifier(db_schema, "rows")), (n,))
+
+    @dramatiq.actor(queue_name="commit", broker=pg_batched)
+    def after(outcome: str) -> None:
+        outcomes.append(outcome)
+
+    batch = Batch(callback=after.message("callback"), on_failure=after.message("on_failure"), broker=pg_batched)
+    with pg_batched.transaction(), batch:
+        batch.add(child.message(1))
+    worker = dramatiq.Worker(pg_batched, worker_timeout=20, worker_threads=1)
+    worker.start()
+    try:
+        wait_for(lambda: outcomes, timeout_ms=30_000, message="the batch never finished")
+    finally:
+        worker.stop()
+    assert outcomes == ["on_failure"], "the failed COMMIT took the 'done' count with it; the death failed the batch"
+    status = batch_status(pg_batched.database, db_schema, batch.id)
+    assert (status.done, status.dead, status.pending, status.state) == (0, 1, 0, "failed")
+
+
+def test_a_plain_send_inside_with_batch_is_not_a_child(pg_batched: PostgresBroker, db_schema: str) -> None:
+    @dramatiq.actor(queue_name="plain_inside", broker=pg_batched)
+    def job(n: int) -> None:
+        pass
+
+    batch = Batch(callback=job.message(-1), broker=pg_batched)
+    with pg_batched.transaction(), batch:
+        child = batch.add(job.message(1))
+        plain = job.send(2)  # documented: only batch.add makes a child
+    assert child.options[BATCH_OPTION] == batch.id and BATCH_OPTION not in plain.options
+    status = batch_status(pg_batched.database, db_schema, batch.id)
+    assert (status.total, status.pending, status.state) == (1, 1, "running")
+
+
+def test_a_child_is_counted_with_its_jobs_commit_not_in_a_statement_of_its_own(
+    pg_batched: PostgresBroker, db_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One round trip fewer per child: the count rides on Idempotency's COMMIT (send_with_commit).
+    own_statements: list[str] = []
+    finish = Batches._finish
+
+    def spy(self: Batches, broker: Any, message: Any, *, dead: bool, conn: Any) -> str:
+        own_statements.append(message.message_id)
+        return finish(self, broker, message, dead=dead, conn=conn)
+
+    monkeypatch.setattr(Batches, "_finish", spy)
+    fired: list[int] = []
+
+    @dramatiq.actor(queue_name="with_commit", broker=pg_batched)
+    def child(n: int) -> None:
+        pass
+
+    @dramatiq.actor(queue_name="with_commit", broker=pg_batched)
+    def report() -> None:
+        fired.append(batch_status(pg_batched.database, db_schema, batch.id).done)
+
+    batch = Batch(callback=report.message(), broker=pg_batched)
+    with pg_batched.transaction(), batch:
+        for n in range(3):
+            batch.add(child.message(n))
+    worker = dramatiq.Worker(pg_batched, worker_timeout=20, worker_threads=2)
+    worker.start()
+    try:
+        wait_for(lambda: fired, timeout_ms=30_000, message="the callback never ran")
+    finally:
+        worker.stop()
+    assert fired == [3] and own_statements == [], "every child was counted in its COMMIT's round trip"
