@@ -36,7 +36,7 @@ from ..backing import SENDS_TO, SendsTo, postgres_backed
 from ..dead_letters import DEFAULT_REPLAY_MAX_AGE_MS, PostgresDeadLetterStore
 from ..errors import ConfigurationError, DatabaseUnavailable, SchemaNotReady
 from ..queue_depths import QueueDepths
-from . import actions, batches, jobs, rate_limits, views
+from . import actions, batches, jobs, rate_limits, views, workflows
 from .access import Access, AccessHook, cross_site_problem, resolve
 from .pools import ReadPool, action_database
 from .rendering import render
@@ -252,6 +252,10 @@ def _routes() -> list[Route | Mount]:
         Route("/batches", batches.batch_list, name="batches"),
         # The id in the query, as the job page's: Batch(id=...) may hold "/".
         Route("/batches/show", batches.batch, name="batch"),
+        Route("/workflows", workflows.workflow_list, name="workflows"),
+        # The id in the query, as the job page's: Workflow(id=...) may hold "/".
+        Route("/workflows/show", workflows.workflow, name="workflow"),
+        Route("/workflows/cancel", workflows.cancel, methods=["POST"], name="workflow_cancel"),
         Route("/schedules", views.schedules, name="schedules"),
         Route("/rate-limits", rate_limits.rate_limits, name="rate_limits"),
         Route("/schedules/{name:str}/{verb:str}", actions.schedule_action, methods=["POST"], name="schedule_action"),
