@@ -74,7 +74,8 @@ def create_app(
       schema: the schema of the tables (default: the broker's, else ``dramatiq_reliable``).
       access: the access hook, called with each request, returning an :class:`Access` (or
         ``"full"``, ``"read"``, ``"forbidden"``).  ``None``: read-only, loopback clients only.
-      hide_args: show ``hidden`` instead of the messages' arguments (they may hold personal data).
+      hide_args: show ``hidden`` instead of the messages' arguments, and of what workflow steps
+        returned (they may hold personal data).
       statement_timeout_ms: the bound of every query a page runs; a page over it shows an error
         panel.  Actions are not bounded by it (they run as the command line runs them).
       broker: an ``OutboxBroker`` or ``PostgresBroker`` to take the database, schema, target and

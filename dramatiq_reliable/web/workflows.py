@@ -3,8 +3,8 @@
 The list is :func:`~dramatiq_reliable.workflows.list_workflows` filtered by state; one workflow's
 page is :func:`~dramatiq_reliable.workflows.workflow_status` (what ``dramatiq-reliable workflows
 show ID`` prints): its state, error and policy, then each stage's steps with their state, actor,
-message id (linked to the job page), a preview of what they returned and when they were sent and
-finished.  A dead step that holds the workflow under ``if_step_dies="wait"`` is marked, with a
+message id (linked to the job page), a preview of what they returned (``hidden`` under
+``hide_args``) and when they were sent and finished.  A dead step that holds the workflow under ``if_step_dies="wait"`` is marked, with a
 link to its job page, where its dead letter is one click away to replay.
 
 Cancel is :func:`~dramatiq_reliable.workflows.cancel_workflow` behind the rules of the job
@@ -84,13 +84,15 @@ def workflow_list(request: Request) -> Response:
     return render(request, "workflows.html", context)
 
 
-def _stages(status: WorkflowStatus) -> list[dict[str, Any]]:
-    """The steps grouped by stage, in order, each with its result's preview."""
+def _stages(status: WorkflowStatus, *, hide: bool) -> list[dict[str, Any]]:
+    """The steps grouped by stage, in order, each with its result's preview (``hidden`` with
+    ``hide_args``: a step's result is made from its arguments, and may hold the same personal data)."""
     stages: list[dict[str, Any]] = []
     for step in status.steps:
         if not stages or stages[-1]["number"] != step.stage:
             stages.append({"number": step.stage, "in_group": step.in_group, "steps": []})
-        stages[-1]["steps"].append({"step": step, "preview": preview(step.result)})
+        shown = "hidden" if hide and step.result is not None else preview(step.result)
+        stages[-1]["steps"].append({"step": step, "preview": shown})
     return stages
 
 
@@ -109,7 +111,7 @@ def workflow(request: Request) -> Response:
         "page": "workflows",
         "title": f"Workflow {status.id}",
         "status": status,
-        "stages": _stages(status),
+        "stages": _stages(status, hide=settings.hide_args),
     }
     return render(request, "workflow.html", context)
 

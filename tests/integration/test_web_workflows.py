@@ -135,6 +135,9 @@ def test_the_list_and_a_workflow_page_show_its_steps_and_a_dead_step_waiting_for
     assert results[1:] == ["-", "-", "-"]
     for id in ids:
         assert f'/jobs/show?id={id}"' in page.text, "each step links to its job page"
+    # A result is made from the arguments: hide_args hides it too.
+    hiding = client_for(create_app(broker=broker, hide_args=True)).get("/workflows/show", params={"id": ODD_ID}).text
+    assert cell(hiding, "workflow-step-result") == "hidden" and "xxxxx" not in hiding
 
     # A step's job page links back to its workflow, saying where the step sits.
     job = client.get("/jobs/show", params={"id": ids[2]})
