@@ -49,7 +49,7 @@ _SCHEDULE_VERBS = ("pause", "resume", "trigger")
 class WebAction(events.Event):
     """Someone acted from the web page: ``who`` (the access hook's user, else the client address),
     ``action`` (``dead_letters.replay``, ``dead_letters.discard``, ``outbox.retry``,
-    ``schedule.pause``, ``schedule.resume``, ``schedule.trigger``, ``job.cancel``), ``selection`` (what it applied
+    ``schedule.pause``, ``schedule.resume``, ``schedule.trigger``, ``job.cancel``, ``workflow.cancel``), ``selection`` (what it applied
     to, as people read it), ``matched`` (rows it found), ``done`` (rows changed) and ``refused``
     (rows left alone: too old, already handled)."""
 

@@ -36,7 +36,7 @@ from ..backing import SENDS_TO, SendsTo, postgres_backed
 from ..dead_letters import DEFAULT_REPLAY_MAX_AGE_MS, PostgresDeadLetterStore
 from ..errors import ConfigurationError, DatabaseUnavailable, SchemaNotReady
 from ..queue_depths import QueueDepths
-from . import actions, batches, jobs, rate_limits, views
+from . import actions, batches, jobs, rate_limits, views, workflows
 from .access import Access, AccessHook, cross_site_problem, resolve
 from .pools import ReadPool, action_database
 from .rendering import render
@@ -74,7 +74,8 @@ def create_app(
       schema: the schema of the tables (default: the broker's, else ``dramatiq_reliable``).
       access: the access hook, called with each request, returning an :class:`Access` (or
         ``"full"``, ``"read"``, ``"forbidden"``).  ``None``: read-only, loopback clients only.
-      hide_args: show ``hidden`` instead of the messages' arguments (they may hold personal data).
+      hide_args: show ``hidden`` instead of the messages' arguments, and of what workflow steps
+        returned (they may hold personal data).
       statement_timeout_ms: the bound of every query a page runs; a page over it shows an error
         panel.  Actions are not bounded by it (they run as the command line runs them).
       broker: an ``OutboxBroker`` or ``PostgresBroker`` to take the database, schema, target and
@@ -252,6 +253,10 @@ def _routes() -> list[Route | Mount]:
         Route("/batches", batches.batch_list, name="batches"),
         # The id in the query, as the job page's: Batch(id=...) may hold "/".
         Route("/batches/show", batches.batch, name="batch"),
+        Route("/workflows", workflows.workflow_list, name="workflows"),
+        # The id in the query, as the job page's: Workflow(id=...) may hold "/".
+        Route("/workflows/show", workflows.workflow, name="workflow"),
+        Route("/workflows/cancel", workflows.cancel, methods=["POST"], name="workflow_cancel"),
         Route("/schedules", views.schedules, name="schedules"),
         Route("/rate-limits", rate_limits.rate_limits, name="rate_limits"),
         Route("/schedules/{name:str}/{verb:str}", actions.schedule_action, methods=["POST"], name="schedule_action"),

@@ -39,6 +39,7 @@ from ..workflows.status import batch_of_job
 from .actions import WebAction, who
 from .rendering import Flash, add_flash, link, render
 from .views import settings_of
+from .workflows import workflow_of_job
 
 __all__: list[str] = []
 
@@ -137,6 +138,9 @@ def job(request: Request) -> Response:
             "dead_letter_id": found.dead_letter_id,
             "cancellable": found.status.state in CANCELLABLE,
             "batch": batch_of_job(
+                settings_of(request).reads.get(), settings_of(request).schema, found.status.message_id
+            ),
+            "step": workflow_of_job(
                 settings_of(request).reads.get(), settings_of(request).schema, found.status.message_id
             ),
         },

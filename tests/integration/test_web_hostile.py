@@ -79,6 +79,11 @@ ROUTES: dict[tuple[str, str], list[str]] = {
     ("GET", "/jobs"): [f"?{name}" for name in ("state", "actor", "queue", "junk")],
     ("GET", "/jobs/show"): ["?id", "?junk"],
     ("POST", "/jobs/cancel"): [f"={name}" for name in ("id", "reason", "confirm", "junk")] + ["header:origin"],
+    ("GET", "/batches"): ["?state", "?junk"],
+    ("GET", "/batches/show"): ["?id", "?state", "?junk"],
+    ("GET", "/workflows"): ["?state", "?junk"],
+    ("GET", "/workflows/show"): ["?id", "?junk"],
+    ("POST", "/workflows/cancel"): [f"={name}" for name in ("id", "reason", "confirm", "junk")] + ["header:origin"],
     ("GET", "/rate-limits"): ["?junk"],
     ("GET", "/static/{path}"): ["{path}"],
 }
