@@ -50,6 +50,7 @@ __all__ = [
     "not_migrated",
     "one_statement",
     "parked_body",
+    "parked_priority",
     "parked_queue",
     "resend_to",
 ]
@@ -141,6 +142,12 @@ def parked_body(message: MessageProxy) -> bytes:
         message_id=original.message_id,
         message_timestamp=original.message_timestamp,
     ).encode()
+
+
+def parked_priority(message: MessageProxy) -> int | None:
+    """The broker priority a parked message is sent again with when woken (the send path checked it)."""
+    priority = message.options.get("broker_priority")
+    return priority if isinstance(priority, int) and not isinstance(priority, bool) else None
 
 
 def resend_to(schema: str, sends_to: str) -> dict[str, str]:

@@ -49,6 +49,7 @@ from ._keyed import (
     fail_closed,
     not_migrated,
     parked_body,
+    parked_priority,
     parked_queue,
 )
 
@@ -250,13 +251,15 @@ class OrderedKeys(KeyedMiddleware[_Head]):
                 "sender's broker and replay the dead letter"
             )
             fail_closed(message, error)
-        _, _, resend = self.database_for(broker)
+        _, schema, resend = self.database_for(broker)
         params = {
+            "lock_prefix": _lock_prefix(schema),
             "message_id": message.message_id,
             "owner": self.owner,
             "lease_ms": self.lease_ms,
             "queue_name": parked_queue(message),
             "body": parked_body(message),
+            "priority": parked_priority(message),
             # On a PostgresBroker the ack is a later synchronous commit that flushes the take too.
             "async": resend["target"] == "queue",
         }
@@ -301,13 +304,27 @@ class OrderedKeys(KeyedMiddleware[_Head]):
         if head is None or head.message_id != message.message_id:
             return
         _current.set(None)
-        params = {"key": head.key, "seq": head.seq, "token": head.token, "done": done}
+        _, schema, _ = self.database_for(broker)
+        params = {
+            "lock_prefix": _lock_prefix(schema),
+            "key": head.key,
+            "seq": head.seq,
+            "token": head.token,
+            "done": done,
+        }
         self._free(broker, "order_release", params, f"order key {head.key!r} after message {head.message_id}")
 
     def sweep(self, broker: Broker) -> int:
         """Free the keys of killed workers, of discarded dead heads and of cancelled jobs; returns how
         many heads were sent again."""
-        return self._sweep(broker, "order_sweep", {"limit": _SWEEP_LIMIT})
+        _, schema, _ = self.database_for(broker)
+        return self._sweep(broker, "order_sweep", {"lock_prefix": _lock_prefix(schema), "limit": _SWEEP_LIMIT})
+
+
+def _lock_prefix(schema: str) -> str:
+    """The advisory lock a take, release or sweep of a key holds is this prefix and the key (the
+    sender's lock, held until the sender commits, is another one: a take never waits for a sender)."""
+    return f"dramatiq_reliable.order-run:{schema}:"
 
 
 def _in_worker() -> bool:

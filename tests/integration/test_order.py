@@ -27,6 +27,7 @@ from dramatiq_reliable.cli import main
 from dramatiq_reliable.dead_letters import PostgresDeadLetterStore
 from dramatiq_reliable.flow import OrderedKeys, order_waiting
 from dramatiq_reliable.jobs import cancel_job
+from dramatiq_reliable.schema import ORDER_CONCURRENCY_VERSION
 from dramatiq_reliable.testing import wait_for
 
 pytestmark = pytest.mark.integration
@@ -197,7 +198,7 @@ def test_a_message_sent_without_a_place_is_not_run_but_dead_lettered(
     assert runs == []
 
 
-def test_a_schema_without_migration_14_refuses_the_send_naming_the_command(
+def test_a_schema_without_the_order_tables_refuses_the_send_naming_the_command(
     database_url: str, db_schema: str, db: psycopg.Connection[Any]
 ) -> None:
     db.execute(sql.SQL("DROP TABLE {} CASCADE").format(sql.Identifier(db_schema, "order_jobs")))
@@ -206,7 +207,8 @@ def test_a_schema_without_migration_14_refuses_the_send_naming_the_command(
     try:
         sync = dramatiq.actor(lambda n: None, actor_name="sync", broker=broker, order_key=str)
         with pytest.raises(
-            DatabaseUnavailable, match=rf"needs schema '{db_schema}' at version 14 .*run 'dramatiq-reliable"
+            DatabaseUnavailable,
+            match=rf"needs schema '{db_schema}' at version {ORDER_CONCURRENCY_VERSION} .*run 'dramatiq-reliable",
         ):
             sync.send(1)
     finally:
@@ -274,7 +276,7 @@ def test_a_head_whose_worker_died_before_its_release_is_sent_again_once_its_leas
         queue = sql.Identifier(db_schema, "queue")
         (body,) = db.execute(sql.SQL("SELECT body FROM {}").format(queue)).fetchone() or (None,)
         # A worker took the head and acked its delivery, then died before the release.
-        take = sql.SQL("SELECT outcome FROM {}.order_take(%s, 'gone', 300, 'ordered', %s, false)")
+        take = sql.SQL("SELECT outcome FROM {}.order_take('lock:', %s, 'gone', 300, 'ordered', %s, NULL, false)")
         assert db.execute(take.format(sql.Identifier(db_schema)), (sent.message_id, body)).fetchone() == ("run",)
         db.execute(sql.SQL("DELETE FROM {}").format(queue))
         assert middleware.sweep(broker) == 0  # the lease still holds
