@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import threading
 import time
@@ -11,7 +12,8 @@ from typing import Any
 import dramatiq
 import psycopg
 import pytest
-from dramatiq.middleware import Callbacks
+from dramatiq.broker import MessageProxy
+from dramatiq.middleware import Callbacks, SkipMessage
 from psycopg import sql
 
 from dramatiq_reliable import (
@@ -301,3 +303,30 @@ def test_a_cancelled_job_gives_up_its_place_so_its_successors_run(
     worker.start()
     wait_for(lambda: runs == [1, 2], message=f"the cancelled head held its key: {runs}")
     wait_for(lambda: not _rows(db, db_schema), message="places left behind")
+
+
+def test_a_woken_job_keeps_its_priority_and_a_finished_key_leaves_no_row(
+    ordered: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    middleware = next(m for m in ordered.middleware if isinstance(m, OrderedKeys))
+    step = dramatiq.actor(lambda n: None, actor_name="step", queue_name=queue, broker=ordered, order_key=lambda n: "k")
+    with ordered.transaction():
+        first = step.send(0)
+        second = step.send_with_options(args=(1,), broker_priority=7)
+    table = sql.Identifier(db_schema, "queue" if isinstance(ordered, PostgresBroker) else "outbox")
+    db.execute(sql.SQL("DELETE FROM {}").format(table))  # both delivered (and acked): the rows are gone
+    head, early = MessageProxy(first), MessageProxy(second)
+    middleware.before_process_message(ordered, head)
+    with pytest.raises(SkipMessage, match="not its turn"):  # on another worker thread: a context of its own
+        contextvars.copy_context().run(middleware.before_process_message, ordered, early)
+    middleware.after_process_message(ordered, head, result=None)  # wakes the parked job
+    woken = db.execute(sql.SQL("SELECT message_id, priority FROM {}").format(table)).fetchall()
+    assert woken == [(second.message_id, 7)], "the woken job lost its priority"
+    middleware.before_process_message(ordered, MessageProxy(second))
+    middleware.after_process_message(ordered, MessageProxy(second), result=None)
+    assert _rows(db, db_schema) == []
+    leftovers = db.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = %s AND table_name LIKE 'order%%'",
+        (db_schema,),
+    ).fetchall()
+    assert leftovers == [("order_jobs",)], "a per-key table that nothing purges"
