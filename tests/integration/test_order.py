@@ -305,7 +305,7 @@ def test_a_cancelled_job_gives_up_its_place_so_its_successors_run(
     wait_for(lambda: not _rows(db, db_schema), message="places left behind")
 
 
-def test_a_woken_job_keeps_its_priority_and_a_finished_key_leaves_no_row(
+def test_a_woken_job_keeps_its_priority_and_place_and_a_finished_key_leaves_no_row(
     ordered: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
 ) -> None:
     middleware = next(m for m in ordered.middleware if isinstance(m, OrderedKeys))
@@ -319,9 +319,13 @@ def test_a_woken_job_keeps_its_priority_and_a_finished_key_leaves_no_row(
     middleware.before_process_message(ordered, head)
     with pytest.raises(SkipMessage, match="not its turn"):  # on another worker thread: a context of its own
         contextvars.copy_context().run(middleware.before_process_message, ordered, early)
+    (parked_by,) = db.execute("SELECT clock_timestamp()").fetchone() or (None,)
     middleware.after_process_message(ordered, head, result=None)  # wakes the parked job
     woken = db.execute(sql.SQL("SELECT message_id, priority FROM {}").format(table)).fetchall()
     assert woken == [(second.message_id, 7)], "the woken job lost its priority"
+    if isinstance(ordered, PostgresBroker):  # and its place: ahead of what was sent after it
+        (since,) = db.execute(sql.SQL("SELECT available_at FROM {}").format(table)).fetchone() or (None,)
+        assert since < parked_by, "the woken job went to the back of the queue"
     middleware.before_process_message(ordered, MessageProxy(second))
     middleware.after_process_message(ordered, MessageProxy(second), result=None)
     assert _rows(db, db_schema) == []

@@ -8,7 +8,10 @@
 -- written, safe behind PgBouncer in transaction mode) instead of the key row's lock.  order_keys
 -- goes: it held a row per key ever used and nothing purged it; a finished key now leaves no row.
 --
--- A parked message (order or concurrency) keeps its broker priority and is sent again with it.
+-- A parked message (order or concurrency) keeps its broker priority and is sent again with it.  A
+-- woken ordered job on a PostgresBroker also keeps its place in the queue (its row is visible
+-- since it was sent, so it is claimed before messages sent after it): sent to the back, it let
+-- the later jobs of its key, already in the queue, reach a worker first, and each parked in turn.
 
 ALTER TABLE {schema}.order_jobs
     ADD COLUMN token      bigint,
@@ -35,16 +38,17 @@ DROP FUNCTION {schema}.order_sweep(int, text, text);
 DROP FUNCTION {schema}.concurrency_take(text, text, int, text, text, text, bigint, text, bytea);
 DROP TABLE {schema}.order_keys;
 
--- Send a parked message again with its priority (see 0014).
+-- Send a parked message again with its priority (see 0014); p_since (or now): where it queues.
 DROP FUNCTION {schema}.flow_resend(text, text, text, text, text, bytea);
 CREATE FUNCTION {schema}.flow_resend(
     p_target text, p_channel text, p_message_id text, p_queue_name text, p_actor_name text, p_body bytea,
-    p_priority smallint
+    p_priority smallint, p_since timestamptz
 ) RETURNS void LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
 BEGIN
     IF p_target = 'queue' THEN
-        INSERT INTO queue (queue_name, message_id, actor_name, body, priority)
-        VALUES (p_queue_name, p_message_id, p_actor_name, p_body, coalesce(p_priority, 0));
+        INSERT INTO queue (queue_name, message_id, actor_name, body, priority, available_at)
+        VALUES (p_queue_name, p_message_id, p_actor_name, p_body, coalesce(p_priority, 0),
+                least(coalesce(p_since, now()), now()));
     ELSE
         INSERT INTO outbox (message_id, queue_name, actor_name, body, priority)
         VALUES (p_message_id, p_queue_name, p_actor_name, p_body, p_priority);
@@ -99,7 +103,7 @@ BEGIN
         RETURN 0;
     END IF;
     PERFORM flow_resend(p_target, p_channel, woken.message_id, woken.queue_name, woken.actor_name, woken.body,
-                        woken.priority);
+                        woken.priority, NULL);
     RETURN 1;
 END $$;
 
@@ -121,7 +125,7 @@ BEGIN
             RETURNING p.message_id, p.queue_name, p.actor_name, p.body, p.priority
         LOOP
             PERFORM flow_resend(p_target, p_channel, woken.message_id, woken.queue_name, woken.actor_name,
-                                woken.body, woken.priority);
+                                woken.body, woken.priority, NULL);
             total := total + 1;
         END LOOP;
     END LOOP;
@@ -207,13 +211,14 @@ BEGIN
 END $$;
 
 -- The head of p_key, if it is not running and its body is here (parked, or freed from a lapsed
--- lease by the sweep): marked waiting and sent again with its priority (1 back).
+-- lease by the sweep): marked waiting and sent again with its priority, queued as of its send
+-- (1 back).
 CREATE OR REPLACE FUNCTION {schema}.order_wake(p_key text, p_target text, p_channel text)
 RETURNS int LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
 DECLARE
     nxt record;
 BEGIN
-    SELECT j.seq, j.state, j.message_id, j.actor_name, j.queue_name, j.body, j.priority INTO nxt
+    SELECT j.seq, j.state, j.message_id, j.actor_name, j.queue_name, j.body, j.priority, j.sent_at INTO nxt
       FROM order_jobs AS j WHERE j.key = p_key ORDER BY j.seq LIMIT 1;
     -- A running head keeps its body for the sweep of a lapsed lease: it is never sent from here.
     IF NOT FOUND OR nxt.body IS NULL OR nxt.state = 'running' THEN
@@ -221,7 +226,8 @@ BEGIN
     END IF;
     UPDATE order_jobs AS j SET state = 'waiting', queue_name = NULL, body = NULL
      WHERE j.key = p_key AND j.seq = nxt.seq;
-    PERFORM flow_resend(p_target, p_channel, nxt.message_id, nxt.queue_name, nxt.actor_name, nxt.body, nxt.priority);
+    PERFORM flow_resend(p_target, p_channel, nxt.message_id, nxt.queue_name, nxt.actor_name, nxt.body, nxt.priority,
+                        nxt.sent_at);
     RETURN 1;
 END $$;
 
