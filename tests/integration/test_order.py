@@ -334,3 +334,22 @@ def test_a_woken_job_keeps_its_priority_and_place_and_a_finished_key_leaves_no_r
         (db_schema,),
     ).fetchall()
     assert leftovers == [("order_jobs",)], "a per-key table that nothing purges"
+
+
+def test_a_retry_delivered_before_its_failed_run_is_released_is_sent_again_not_lost(
+    ordered: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    middleware = next(m for m in ordered.middleware if isinstance(m, OrderedKeys))
+    step = dramatiq.actor(lambda n: None, actor_name="step", queue_name=queue, broker=ordered, order_key=lambda n: "k")
+    sent = step.send(0)
+    table = sql.Identifier(db_schema, "queue" if isinstance(ordered, PostgresBroker) else "outbox")
+    db.execute(sql.SQL("DELETE FROM {}").format(table))
+    running = MessageProxy(sent)
+    middleware.before_process_message(ordered, running)
+    # The run failed and its retry was delivered (on another thread) before the release.
+    with pytest.raises(SkipMessage, match="the message was parked"):
+        contextvars.copy_context().run(middleware.before_process_message, ordered, MessageProxy(sent))
+    middleware.after_process_message(ordered, running, exception=RuntimeError("boom"))
+    resent = db.execute(sql.SQL("SELECT message_id FROM {}").format(table)).fetchall()
+    assert resent == [(sent.message_id,)], "the retry was acked while parked and never sent again"
+    assert [state for *_, state in _rows(db, db_schema)] == ["waiting"]

@@ -17,7 +17,10 @@ ALTER TABLE {schema}.order_jobs
     ADD COLUMN token      bigint,
     ADD COLUMN owner      text,
     ADD COLUMN expires_at timestamptz,
-    ADD COLUMN priority   smallint;
+    ADD COLUMN priority   smallint,
+    -- Delivered again while it ran (a retry quicker than the release, a broker's redelivery): if the
+    -- run fails, that delivery is sent again by the release (it was acked when it parked).
+    ADD COLUMN redelivered boolean NOT NULL DEFAULT false;
 -- The sweep's search for lapsed leases (killed workers).
 CREATE INDEX order_jobs_expires ON {schema}.order_jobs (expires_at) WHERE state = 'running';
 
@@ -168,7 +171,10 @@ BEGIN
         RETURN;
     END IF;
     IF head_state = 'running' AND head_until > now() THEN
-        -- Delivered again while it runs: the running delivery keeps the place (and its body).
+        -- Delivered again while it runs: the running delivery keeps the place; this one's body is
+        -- kept for the release, which sends it again if the run fails.
+        UPDATE order_jobs AS j SET redelivered = true, queue_name = p_queue_name, body = p_body, priority = p_priority
+         WHERE j.key = k AND j.seq = s;
         RETURN QUERY SELECT 'parked'::text, k, s, NULL::bigint;
         RETURN;
     END IF;
@@ -180,7 +186,7 @@ BEGIN
     -- The running head keeps its body: if its release is lost (a crash, an outage) the lease
     -- lapses and the sweep sends it again instead of leaving the key held for ever.
     UPDATE order_jobs AS j
-       SET state = 'running', token = nextval('flow_tokens'), owner = p_owner,
+       SET state = 'running', token = nextval('flow_tokens'), owner = p_owner, redelivered = false,
            expires_at = now() + p_lease_ms * interval '1 millisecond',
            queue_name = p_queue_name, body = p_body, priority = p_priority
      WHERE j.key = k AND j.seq = s
@@ -190,20 +196,32 @@ END $$;
 
 -- Free the key after a run.  p_done: the job is finished (ran, or will never run): its row goes
 -- and the next job of the key, if it was parked, is sent again in this statement (1 back).
--- Otherwise (a failure: a retry or a dead letter follows) the job stays the head, waiting; a
--- release whose lease was taken over (it lapsed, the sweep sent the job again) changes nothing.
+-- Otherwise (a failure: a retry or a dead letter follows) the job stays the head, waiting, and a
+-- delivery of it that parked while it ran is sent again; a release whose lease was taken over (it
+-- lapsed, the sweep sent the job again) changes nothing.
 CREATE FUNCTION {schema}.order_release(
     p_lock_prefix text, p_key text, p_seq bigint, p_token bigint, p_done boolean, p_target text, p_channel text
 ) RETURNS int LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
+DECLARE
+    again boolean;
 BEGIN
     -- A release lost in a Postgres crash lets the lease lapse; the sweep then sends the head again
     -- (its body is kept while it runs): a duplicate run at worst, never a key held for ever.
     PERFORM set_config('synchronous_commit', 'off', true);
     PERFORM pg_advisory_xact_lock(hashtextextended(p_lock_prefix || p_key, 0));
     IF NOT p_done THEN
-        UPDATE order_jobs AS j
-           SET state = 'waiting', token = NULL, owner = NULL, expires_at = NULL, queue_name = NULL, body = NULL
+        SELECT j.redelivered INTO again FROM order_jobs AS j
          WHERE j.key = p_key AND j.seq = p_seq AND j.state = 'running' AND j.token = p_token;
+        IF NOT FOUND THEN
+            RETURN 0;
+        END IF;
+        UPDATE order_jobs AS j
+           SET state = 'waiting', token = NULL, owner = NULL, expires_at = NULL, redelivered = false,
+               queue_name = CASE WHEN again THEN j.queue_name END, body = CASE WHEN again THEN j.body END
+         WHERE j.key = p_key AND j.seq = p_seq;
+        IF again THEN
+            RETURN order_wake(p_key, p_target, p_channel);
+        END IF;
         RETURN 0;
     END IF;
     DELETE FROM order_jobs AS j WHERE j.key = p_key AND j.seq = p_seq;
@@ -246,7 +264,7 @@ BEGIN
                  WHERE j.state = 'running' AND j.expires_at < now()
                  ORDER BY j.expires_at LIMIT p_limit LOOP
         CONTINUE WHEN NOT pg_try_advisory_xact_lock(hashtextextended(p_lock_prefix || k, 0));
-        UPDATE order_jobs AS j SET state = 'waiting', token = NULL, owner = NULL, expires_at = NULL
+        UPDATE order_jobs AS j SET state = 'waiting', token = NULL, owner = NULL, expires_at = NULL, redelivered = false
          WHERE j.key = k AND j.seq = s AND j.state = 'running' AND j.expires_at < now();
         IF FOUND THEN
             total := total + order_wake(k, p_target, p_channel);
