@@ -39,15 +39,17 @@ from psycopg_pool import PoolTimeout
 from .. import _sql, events
 from .._util import first_line, redact
 from ..binding import ambient_connection, bind, bound_connection, check_joinable
-from ..database import Database
+from ..database import Database, DatabaseLike
 from ..errors import ActorOptionError, DatabaseUnavailable
 from ..idempotency._connections import autocommit
 from ._keyed import (
+    DEFAULT_LEASE_MS,
     KeyedMiddleware,
     check_key_option,
     derive_key,
     fail_closed,
     not_migrated,
+    one_statement,
     parked_body,
     parked_priority,
     parked_queue,
@@ -121,6 +123,15 @@ class OrderedKeys(KeyedMiddleware[_Head]):
     label = "OrderedKeys"
     option = "order_key"
     renew_query = "order_renew"
+
+    def __init__(
+        self, *, database: DatabaseLike | None = None, schema: str | None = None, lease_ms: int = DEFAULT_LEASE_MS
+    ) -> None:
+        super().__init__(database=database, schema=schema, lease_ms=lease_ms)
+        # Releases waiting for the statement in flight (see _flush_releases).
+        self._releasing = threading.Lock()
+        self._pending: list[tuple[_Head, bool]] = []
+        self._flushing = False
 
     @property
     def actor_options(self) -> set[str]:
@@ -304,15 +315,45 @@ class OrderedKeys(KeyedMiddleware[_Head]):
         if head is None or head.message_id != message.message_id:
             return
         _current.set(None)
-        _, schema, _ = self.database_for(broker)
-        params = {
-            "lock_prefix": _lock_prefix(schema),
-            "key": head.key,
-            "seq": head.seq,
-            "token": head.token,
-            "done": done,
-        }
-        self._free(broker, "order_release", params, f"order key {head.key!r} after message {head.message_id}")
+        self._held.drop()
+        with self._releasing:
+            self._pending.append((head, done))
+            if self._flushing:
+                return  # the thread whose release is in flight writes this one next
+            self._flushing = True
+        self._flush_releases(broker)
+
+    def _flush_releases(self, broker: Broker) -> None:
+        """Write every pending release, a batch per statement, until none is left.
+
+        Releases are batched as the broker's acks are: a worker thread that finishes while another
+        thread's release is in flight leaves its own to that thread and goes on to its next job.
+        A key so stays held for one statement longer at most; a batch that fails leaves its leases
+        to lapse, and the sweep hands them on (as a lost single release did).
+        """
+        database, schema, resend = self.database_for(broker)
+        while True:
+            with self._releasing:
+                batch, self._pending = self._pending, []
+                if not batch:
+                    self._flushing = False
+                    return
+            batch.sort(key=lambda item: item[0].key)  # stable: one key's releases keep their order
+            params = {
+                "lock_prefix": _lock_prefix(schema),
+                "keys": [head.key for head, _ in batch],
+                "seqs": [head.seq for head, _ in batch],
+                "tokens": [head.token for head, _ in batch],
+                "dones": [done for _, done in batch],
+                **resend,
+            }
+            try:
+                one_statement(database, _sql.rendered("order_release_many", schema), params)
+            except Exception:
+                keys = sorted({head.key for head, _ in batch})
+                logger.warning(
+                    "could not free order key(s) %r; they lapse after %d ms", keys, self.lease_ms, exc_info=True
+                )
 
     def sweep(self, broker: Broker) -> int:
         """Free the keys of killed workers, of discarded dead heads and of cancelled jobs; returns how
