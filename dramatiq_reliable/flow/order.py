@@ -7,11 +7,11 @@ commits; inside one transaction it is the order of the ``send()`` calls.  A send
 bound opens a short transaction of its own for the row and the message together, so neither is
 written without the other (a place whose message never came would hold the key for ever).
 
-**At consume time** only the head of a key (its lowest place) runs, under a lease on
-``order_keys`` that a heartbeat renews.  A job delivered before its turn is *parked*: its body is
-kept on its ``order_jobs`` row and the delivery acked, so nothing spins through the queue; the
-head's completion deletes its row and sends the next job again, in the same transaction.  Other
-keys are never held up.  A failed head stays the head: a retry keeps its place and the key
+**At consume time** only the head of a key (its lowest place) runs, under a lease on its own
+``order_jobs`` row that a heartbeat renews.  A job delivered before its turn is *parked*: its body
+is kept on its row and the delivery acked, so nothing spins through the queue; the head's
+completion deletes its row and sends the next job again (with its priority), in the same
+transaction.  Completions are written in batches, as acks are.  Other keys are never held up.  A failed head stays the head: a retry keeps its place and the key
 waits for it; a head that dies (a dead letter) parks its key until the dead letter is replayed
 (the replay runs as the head) or discarded (the heartbeat's sweep frees the key).  A killed
 worker's lease lapses after ``lease_ms`` and the sweep hands the key on.
