@@ -278,7 +278,7 @@ def test_a_head_whose_worker_died_before_its_release_is_sent_again_once_its_leas
         queue = sql.Identifier(db_schema, "queue")
         (body,) = db.execute(sql.SQL("SELECT body FROM {}").format(queue)).fetchone() or (None,)
         # A worker took the head and acked its delivery, then died before the release.
-        take = sql.SQL("SELECT outcome FROM {}.order_take('lock:', %s, 'gone', 300, 'ordered', %s, NULL, false)")
+        take = sql.SQL("SELECT outcome FROM {}.order_take('lock:', %s, 'gone', 300, 'ordered', %s, NULL, false, true)")
         assert db.execute(take.format(sql.Identifier(db_schema)), (sent.message_id, body)).fetchone() == ("run",)
         db.execute(sql.SQL("DELETE FROM {}").format(queue))
         assert middleware.sweep(broker) == 0  # the lease still holds

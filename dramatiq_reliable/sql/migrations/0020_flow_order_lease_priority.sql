@@ -139,10 +139,12 @@ END $$;
 -- taken), 'parked' (not its turn: the body waits here; or its head runs elsewhere) or 'unknown'
 -- (no row: the job is done, a redelivery of it is a duplicate).  p_lock_prefix || key is the
 -- key's lock, which take, release and sweep hold until they commit: "park" and "wake" never
--- interleave, so a job never parks just after the release that should have woken it.
+-- interleave, so a job never parks just after the release that should have woken it.  With
+-- p_wait false (takes of several jobs in one transaction) a key locked elsewhere is not waited
+-- for ('busy' back: take it again alone): a batch that holds locks never waits for another.
 CREATE FUNCTION {schema}.order_take(
     p_lock_prefix text, p_message_id text, p_owner text, p_lease_ms bigint, p_queue_name text, p_body bytea,
-    p_priority smallint, p_async boolean
+    p_priority smallint, p_async boolean, p_wait boolean
 ) RETURNS TABLE (outcome text, key text, seq bigint, token bigint) LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
 DECLARE
     k text;
@@ -154,7 +156,12 @@ DECLARE
 BEGIN
     SELECT j.key, j.seq INTO k, s FROM order_jobs AS j WHERE j.message_id = p_message_id;
     IF FOUND THEN
-        PERFORM pg_advisory_xact_lock(hashtextextended(p_lock_prefix || k, 0));
+        IF p_wait THEN
+            PERFORM pg_advisory_xact_lock(hashtextextended(p_lock_prefix || k, 0));
+        ELSIF NOT pg_try_advisory_xact_lock(hashtextextended(p_lock_prefix || k, 0)) THEN
+            RETURN QUERY SELECT 'busy'::text, k, s, NULL::bigint;
+            RETURN;
+        END IF;
         -- Read after the lock: a release that committed while this waited is seen.
         SELECT j.seq, j.state, j.expires_at INTO head, head_state, head_until
           FROM order_jobs AS j WHERE j.key = k ORDER BY j.seq LIMIT 1;
