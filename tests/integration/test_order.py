@@ -28,6 +28,7 @@ from dramatiq_reliable import (
 from dramatiq_reliable.cli import main
 from dramatiq_reliable.dead_letters import PostgresDeadLetterStore
 from dramatiq_reliable.flow import OrderedKeys, order_waiting
+from dramatiq_reliable.flow import order as order_module
 from dramatiq_reliable.jobs import cancel_job
 from dramatiq_reliable.schema import ORDER_CONCURRENCY_VERSION
 from dramatiq_reliable.testing import wait_for
@@ -353,3 +354,36 @@ def test_a_retry_delivered_before_its_failed_run_is_released_is_sent_again_not_l
     resent = db.execute(sql.SQL("SELECT message_id FROM {}").format(table)).fetchall()
     assert resent == [(sent.message_id,)], "the retry was acked while parked and never sent again"
     assert [state for *_, state in _rows(db, db_schema)] == ["waiting"]
+
+
+def test_takes_written_in_one_group_never_wait_for_a_key_locked_elsewhere(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any]
+) -> None:
+    broker = PostgresBroker(database=database_url, schema=db_schema)
+    middleware = OrderedKeys()
+    broker.add_middleware(middleware)
+    try:
+        step = dramatiq.actor(lambda key: None, actor_name="step", queue_name="ordered", broker=broker, order_key=str)
+        free, locked = step.send("free"), step.send("locked")
+        takes = [
+            {
+                "lock_prefix": order_module._lock_prefix(db_schema),
+                "message_id": sent.message_id,
+                "owner": "test",
+                "lease_ms": 30_000,
+                "queue_name": "ordered",
+                "body": sent.encode(),
+                "priority": None,
+                "async": False,
+            }
+            for sent in (free, locked)
+        ]
+        with psycopg.connect(database_url) as holder:  # a transaction elsewhere holds the key "locked"
+            holder.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"{takes[1]['lock_prefix']}locked",)
+            )
+            rows = order_module._take_many(broker.database, db_schema, takes)
+            assert [row["outcome"] for row in rows] == ["run", "busy"]  # returned at once, not waited for
+        assert [state for *_, state in _rows(db, db_schema)] == ["running", "waiting"]  # "locked" was left as it was
+    finally:
+        broker.close()
