@@ -39,6 +39,7 @@ DROP FUNCTION {schema}.order_take(text, text, bigint, text, bytea, boolean);
 DROP FUNCTION {schema}.order_release(text, bigint, bigint, boolean, text, text);
 DROP FUNCTION {schema}.order_sweep(int, text, text);
 DROP FUNCTION {schema}.concurrency_take(text, text, int, text, text, text, bigint, text, bytea);
+DROP INDEX {schema}.order_keys_expires;
 DROP TABLE {schema}.order_keys;
 
 -- Send a parked message again with its priority (see 0014); p_since (or now): where it queues.
