@@ -1,15 +1,18 @@
 """Order per key: 10,000 jobs over 100 keys, no job out of its key's order, and the price against unordered.
 
-    python benchmarks/flow_order.py [--jobs 10000] [--keys 100] [--threads 8] [--broker postgres|outbox]
+    python benchmarks/flow_order.py [--jobs 10000] [--keys 100] [--threads 8] [--broker postgres|outbox] [--rounds 3]
 
 Each run (in a schema of its own, dropped afterwards) sends ``--jobs`` jobs round-robin over
 ``--keys`` keys in transactions of 500, then drains them with one in-process worker of
-``--threads`` threads; the job only records its key and number.  Twice: the actor without
-``order_key`` (OrderedKeys installed all the same) and with ``order_key``.  A violation is a
-job that started before the job sent before it on its key had finished, or ran out of its key's
-send order.  The last line printed is one JSON object: ``order_violations``, ``ordered_ratio``
-(ordered drain rate / unordered), the two rates and the send rates.  benchmarks/flow_control.py
-imports :func:`measure_order`.
+``--threads`` threads; the job only records its key and number.  A round is two runs: the actor
+without ``order_key`` (OrderedKeys installed all the same) and with ``order_key``, the two
+alternating which goes first, so that a machine shared with other work slows both alike.  A
+violation is a job that started before the job sent before it on its key had finished, or ran
+out of its key's send order.  The last line printed is one JSON object: ``order_violations``
+(over every ordered run), ``ordered_ratio`` (the median over rounds of ordered drain rate /
+unordered drain rate of the same round), ``ordered_ratio_min`` / ``ordered_ratio_max``, the
+per-round ratios, the median rates and the load average.  benchmarks/flow_control.py imports
+:func:`measure_order`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import threading
 import time
 import uuid
@@ -93,21 +97,37 @@ def _run(kind: str, *, jobs: int, keys: int, threads: int, ordered: bool) -> dic
     return {"violations": violations, "drain_per_s": jobs / drain_s, "send_per_s": jobs / send_s}
 
 
-def measure_order(*, jobs: int = 10_000, keys: int = 100, threads: int = 8, broker: str = "postgres") -> dict[str, Any]:
-    """Ordered against unordered on ``broker``: ``order_violations`` (ordered run) and ``ordered_ratio``."""
-    plain = _run(broker, jobs=jobs, keys=keys, threads=threads, ordered=False)
-    ordered = _run(broker, jobs=jobs, keys=keys, threads=threads, ordered=True)
+def measure_order(
+    *, jobs: int = 10_000, keys: int = 100, threads: int = 8, broker: str = "postgres", rounds: int = 3
+) -> dict[str, Any]:
+    """Ordered against unordered on ``broker``, interleaved over ``rounds``: ``order_violations`` (every
+    ordered run) and ``ordered_ratio`` (the median of the rounds' ratios, with its min and max)."""
+    ratios: list[float] = []
+    plain_rates: list[float] = []
+    ordered_rates: list[float] = []
+    violations = 0
+    for round_ in range(rounds):
+        results: dict[bool, dict[str, Any]] = {}
+        for ordered in (False, True) if round_ % 2 == 0 else (True, False):
+            results[ordered] = _run(broker, jobs=jobs, keys=keys, threads=threads, ordered=ordered)
+        violations += results[True]["violations"]
+        plain_rates.append(results[False]["drain_per_s"])
+        ordered_rates.append(results[True]["drain_per_s"])
+        ratios.append(results[True]["drain_per_s"] / results[False]["drain_per_s"])
     return {
         "broker": broker,
         "jobs": jobs,
         "keys": keys,
         "threads": threads,
-        "order_violations": ordered["violations"],
-        "ordered_ratio": round(ordered["drain_per_s"] / plain["drain_per_s"], 3),
-        "ordered_drain_per_s": round(ordered["drain_per_s"], 1),
-        "unordered_drain_per_s": round(plain["drain_per_s"], 1),
-        "ordered_send_per_s": round(ordered["send_per_s"], 1),
-        "unordered_send_per_s": round(plain["send_per_s"], 1),
+        "rounds": rounds,
+        "order_violations": violations,
+        "ordered_ratio": round(statistics.median(ratios), 3),
+        "ordered_ratio_min": round(min(ratios), 3),
+        "ordered_ratio_max": round(max(ratios), 3),
+        "ordered_ratios": [round(ratio, 3) for ratio in ratios],
+        "ordered_drain_per_s": round(statistics.median(ordered_rates), 1),
+        "unordered_drain_per_s": round(statistics.median(plain_rates), 1),
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -117,12 +137,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keys", type=int, default=100)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--broker", choices=("postgres", "outbox"), default="postgres")
+    parser.add_argument("--rounds", type=int, default=3)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    print(json.dumps(measure_order(jobs=args.jobs, keys=args.keys, threads=args.threads, broker=args.broker)))
+    print(
+        json.dumps(
+            measure_order(jobs=args.jobs, keys=args.keys, threads=args.threads, broker=args.broker, rounds=args.rounds)
+        )
+    )
 
 
 if __name__ == "__main__":

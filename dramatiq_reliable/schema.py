@@ -71,8 +71,9 @@ DEDUPE_VERSION = 11
 CANCEL_VERSION = 12
 # Rate limits per key (the rate_limit_buckets table of RateLimits): created by 13.
 RATE_LIMITS_VERSION = 13
-# Order per key and concurrency per key (flow/order.py, flow/concurrency.py): created by 14.
-ORDER_CONCURRENCY_VERSION = 14
+# Order per key and concurrency per key (flow/order.py, flow/concurrency.py): created by 14; the
+# functions this code calls (a head's lease on its job row, woken jobs keep their priority) by 20.
+ORDER_CONCURRENCY_VERSION = 20
 # Batches and their completion callback (workflows/batch.py): created by 15.
 BATCH_VERSION = 15
 # Workflows: chains of steps and groups (workflows/workflow.py): created by 17.

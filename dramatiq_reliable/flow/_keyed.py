@@ -50,6 +50,7 @@ __all__ = [
     "not_migrated",
     "one_statement",
     "parked_body",
+    "parked_priority",
     "parked_queue",
     "resend_to",
 ]
@@ -141,6 +142,12 @@ def parked_body(message: MessageProxy) -> bytes:
         message_id=original.message_id,
         message_timestamp=original.message_timestamp,
     ).encode()
+
+
+def parked_priority(message: MessageProxy) -> int | None:
+    """The broker priority a parked message is sent again with when woken (the send path checked it)."""
+    priority = message.options.get("broker_priority")
+    return priority if isinstance(priority, int) and not isinstance(priority, bool) else None
 
 
 def resend_to(schema: str, sends_to: str) -> dict[str, str]:
@@ -281,7 +288,7 @@ class KeyedMiddleware(Middleware, Generic[L]):
         lets out of a before-hook: anything else and the job would run unprotected)."""
         database, schema, _ = self.database_for(broker)
         try:
-            return one_statement(database, _sql.rendered(query, schema), params)
+            return self._run_take(database, schema, query, params)
         except (psycopg.Error, OSError, TimeoutError) as error:
             raise not_migrated(error, schema, self.label) or DatabaseUnavailable(
                 f"{self.label} could not {what}: {type(error).__name__}: {first_line(error)}; the actor did not run "
@@ -292,6 +299,10 @@ class KeyedMiddleware(Middleware, Generic[L]):
                 f"{self.label} could not {what}: {type(error).__name__}: {first_line(error)}; the actor did not run, "
                 "report this as a bug"
             ) from error
+
+    def _run_take(self, database: Database, schema: str, query: str, params: dict[str, Any]) -> dict[str, Any]:
+        """The take's statement, and its row (a subclass may write several takes in one)."""
+        return one_statement(database, _sql.rendered(query, schema), params)
 
     def _free(self, broker: Broker, query: str, params: dict[str, Any], what: str) -> None:
         """Run a release; a failure only leaves the lease to lapse, and the sweep hands it on."""

@@ -34,7 +34,15 @@ from psycopg.rows import dict_row
 from .. import _sql, events
 from .._checks import is_int
 from ..errors import ActorOptionError
-from ._keyed import KeyedMiddleware, check_key_option, derive_key, fail_closed, parked_body, parked_queue
+from ._keyed import (
+    KeyedMiddleware,
+    check_key_option,
+    derive_key,
+    fail_closed,
+    parked_body,
+    parked_priority,
+    parked_queue,
+)
 
 __all__ = ["ConcurrencyLimit", "ConcurrencyParked", "concurrency_waiting"]
 
@@ -149,6 +157,7 @@ class ConcurrencyLimit(KeyedMiddleware[_Slot]):
             "lease_ms": self.lease_ms,
             "queue_name": parked_queue(message),
             "body": parked_body(message),
+            "priority": parked_priority(message),
         }
         row = self._take(broker, "concurrency_take", params, f"take a slot of {key!r} for {message.message_id!r}")
         if row["token"] is None:

@@ -25,13 +25,14 @@ from dramatiq.errors import ActorNotFound
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware, SkipMessage
 
-from .. import events
+from .. import _sql, events
 from .._checks import check_ms, is_int
 from .._util import first_line
 from ..backing import backing_of
 from ..classify import DEFAULT_MAX_RETRY_AFTER_MS, exception_chain, http_status_of, retry_after_ms_of
 from ..database import Database, DatabaseLike
-from ..errors import ActorOptionError, DatabaseUnavailable, MiddlewareFailed, SchemaNotReady
+from ..errors import ActorOptionError, DatabaseUnavailable, IdempotencyKeyError, MiddlewareFailed, SchemaNotReady
+from ..idempotency.middleware import Idempotency
 from ..schema import RATE_LIMITS_VERSION, ensure_ready
 from .rate_limit import MAX_KEY_CHARS, RateLimit, Registry, Take, pause, slot_ahead, take
 
@@ -212,6 +213,8 @@ class RateLimits(Middleware):
         limit, key = found
         database, schema = self.database_for(broker)
         try:
+            if self._done_already(broker, message):
+                return  # Idempotency skips it unrun: a token is for a call, and it makes none
             with database.autocommit() as conn:
                 if not self._checked:
                     ensure_ready(conn, schema=schema, required=RATE_LIMITS_VERSION, feature="rate limits")
@@ -245,6 +248,25 @@ class RateLimits(Middleware):
             got.wait_ms - self.hold_ms,
             paused=got.paused,
         )
+
+    def _done_already(self, broker: Broker, message: MessageProxy) -> bool:
+        """Whether ``Idempotency`` (later in the list) holds the key of this job as done: a redelivery
+        it will skip as a duplicate.  A key it cannot compute is left to it (it fails the message)."""
+        idempotency = next((m for m in broker.middleware if isinstance(m, Idempotency)), None)
+        if idempotency is None:
+            return False
+        try:
+            job = idempotency.job_for(broker, message)
+        except IdempotencyKeyError:
+            return False
+        if job is None:
+            return False
+        if job.mode == "transactional":
+            database, schema = idempotency.database_for(broker)
+            with database.autocommit() as conn:
+                params = {"actor_name": job.actor_name, "job_key": job.key}
+                return conn.execute(_sql.query("idempotency_lookup", schema), params).fetchone() is not None
+        return idempotency.record_store(broker).lookup(actor_name=job.actor_name, key=job.key) is not None
 
     def _reserved(
         self, conn: psycopg.Connection[Any], schema: str, key: str, message: MessageProxy, limit: RateLimit

@@ -7,11 +7,11 @@ commits; inside one transaction it is the order of the ``send()`` calls.  A send
 bound opens a short transaction of its own for the row and the message together, so neither is
 written without the other (a place whose message never came would hold the key for ever).
 
-**At consume time** only the head of a key (its lowest place) runs, under a lease on
-``order_keys`` that a heartbeat renews.  A job delivered before its turn is *parked*: its body is
-kept on its ``order_jobs`` row and the delivery acked, so nothing spins through the queue; the
-head's completion deletes its row and sends the next job again, in the same transaction.  Other
-keys are never held up.  A failed head stays the head: a retry keeps its place and the key
+**At consume time** only the head of a key (its lowest place) runs, under a lease on its own
+``order_jobs`` row that a heartbeat renews.  A job delivered before its turn is *parked*: its body
+is kept on its row and the delivery acked, so nothing spins through the queue; the head's
+completion deletes its row and sends the next job again (with its priority), in the same
+transaction.  Completions are written in batches, as acks are.  Other keys are never held up.  A failed head stays the head: a retry keeps its place and the key
 waits for it; a head that dies (a dead letter) parks its key until the dead letter is replayed
 (the replay runs as the head) or discarded (the heartbeat's sweep frees the key).  A killed
 worker's lease lapses after ``lease_ms`` and the sweep hands the key on.
@@ -39,16 +39,19 @@ from psycopg_pool import PoolTimeout
 from .. import _sql, events
 from .._util import first_line, redact
 from ..binding import ambient_connection, bind, bound_connection, check_joinable
-from ..database import Database
+from ..database import Database, DatabaseLike
 from ..errors import ActorOptionError, DatabaseUnavailable
 from ..idempotency._connections import autocommit
 from ._keyed import (
+    DEFAULT_LEASE_MS,
     KeyedMiddleware,
     check_key_option,
     derive_key,
     fail_closed,
     not_migrated,
+    one_statement,
     parked_body,
+    parked_priority,
     parked_queue,
 )
 
@@ -120,6 +123,19 @@ class OrderedKeys(KeyedMiddleware[_Head]):
     label = "OrderedKeys"
     option = "order_key"
     renew_query = "order_renew"
+
+    def __init__(
+        self, *, database: DatabaseLike | None = None, schema: str | None = None, lease_ms: int = DEFAULT_LEASE_MS
+    ) -> None:
+        super().__init__(database=database, schema=schema, lease_ms=lease_ms)
+        # Releases waiting for the statement in flight (see _flush_releases).
+        self._releasing = threading.Lock()
+        self._pending: list[tuple[_Head, bool]] = []
+        self._flushing = False
+        # Takes waiting for the statement in flight (see _run_take).
+        self._taking = threading.Lock()
+        self._queued: list[_Waiter] = []
+        self._busy = False
 
     @property
     def actor_options(self) -> set[str]:
@@ -250,13 +266,15 @@ class OrderedKeys(KeyedMiddleware[_Head]):
                 "sender's broker and replay the dead letter"
             )
             fail_closed(message, error)
-        _, _, resend = self.database_for(broker)
+        _, schema, resend = self.database_for(broker)
         params = {
+            "lock_prefix": _lock_prefix(schema),
             "message_id": message.message_id,
             "owner": self.owner,
             "lease_ms": self.lease_ms,
             "queue_name": parked_queue(message),
             "body": parked_body(message),
+            "priority": parked_priority(message),
             # On a PostgresBroker the ack is a later synchronous commit that flushes the take too.
             "async": resend["target"] == "queue",
         }
@@ -296,18 +314,144 @@ class OrderedKeys(KeyedMiddleware[_Head]):
         except Exception:
             logger.warning("could not mark message %s dead in its key's order", message.message_id, exc_info=True)
 
+    def _run_take(self, database: Database, schema: str, query: str, params: dict[str, Any]) -> dict[str, Any]:
+        """Takes are written in groups, as commits are: a worker thread that asks while another
+        thread's take is in flight waits for it, then the first of those waiting writes all of
+        theirs in one statement (one round trip, one commit, one WAL flush on an OutboxBroker).
+
+        A grouped take does not wait for a key another transaction holds: that one is taken
+        again alone.  A group that holds some keys' locks therefore never waits for another's,
+        and two groups cannot deadlock.
+        """
+        me = _Waiter(params)
+        with self._taking:
+            self._queued.append(me)
+            lead = not self._busy
+            self._busy = True
+        if not lead:
+            me.done.wait()
+            if not me.lead:
+                return me.outcome(database, schema, query)
+        with self._taking:
+            group, self._queued = self._queued, []
+        try:
+            if len(group) == 1:
+                rows = [one_statement(database, _sql.rendered(query, schema), params)]
+            else:
+                rows = _take_many(database, schema, [waiter.params for waiter in group])
+        except BaseException as error:
+            for waiter in group:
+                waiter.error = error
+        else:
+            for waiter, row in zip(group, rows, strict=True):
+                waiter.row = row
+        with self._taking:
+            if self._queued:
+                self._queued[0].lead = True  # the next group's writer
+                self._queued[0].done.set()
+            else:
+                self._busy = False
+        for waiter in group:
+            if waiter is not me:
+                waiter.done.set()
+        return me.outcome(database, schema, query)
+
     def _release(self, broker: Broker, message: MessageProxy, *, done: bool) -> None:
         head = _current.get()
         if head is None or head.message_id != message.message_id:
             return
         _current.set(None)
-        params = {"key": head.key, "seq": head.seq, "token": head.token, "done": done}
-        self._free(broker, "order_release", params, f"order key {head.key!r} after message {head.message_id}")
+        self._held.drop()
+        with self._releasing:
+            self._pending.append((head, done))
+            if self._flushing:
+                return  # the thread whose release is in flight writes this one next
+            self._flushing = True
+        self._flush_releases(broker)
+
+    def _flush_releases(self, broker: Broker) -> None:
+        """Write every pending release, a batch per statement, until none is left.
+
+        Releases are batched as the broker's acks are: a worker thread that finishes while another
+        thread's release is in flight leaves its own to that thread and goes on to its next job.
+        A key so stays held for one statement longer at most; a batch that fails leaves its leases
+        to lapse, and the sweep hands them on (as a lost single release did).
+        """
+        database, schema, resend = self.database_for(broker)
+        while True:
+            with self._releasing:
+                batch, self._pending = self._pending, []
+                if not batch:
+                    self._flushing = False
+                    return
+            batch.sort(key=lambda item: item[0].key)  # stable: one key's releases keep their order
+            params = {
+                "lock_prefix": _lock_prefix(schema),
+                "keys": [head.key for head, _ in batch],
+                "seqs": [head.seq for head, _ in batch],
+                "tokens": [head.token for head, _ in batch],
+                "dones": [done for _, done in batch],
+                **resend,
+            }
+            try:
+                one_statement(database, _sql.rendered("order_release_many", schema), params)
+            except Exception:
+                keys = sorted({head.key for head, _ in batch})
+                logger.warning(
+                    "could not free order key(s) %r; they lapse after %d ms", keys, self.lease_ms, exc_info=True
+                )
 
     def sweep(self, broker: Broker) -> int:
         """Free the keys of killed workers, of discarded dead heads and of cancelled jobs; returns how
         many heads were sent again."""
-        return self._sweep(broker, "order_sweep", {"limit": _SWEEP_LIMIT})
+        _, schema, _ = self.database_for(broker)
+        return self._sweep(broker, "order_sweep", {"lock_prefix": _lock_prefix(schema), "limit": _SWEEP_LIMIT})
+
+
+class _Waiter:
+    """One worker thread's take in a group: its parameters, then its row or the group's error."""
+
+    __slots__ = ("done", "error", "lead", "params", "row")
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        self.params = params
+        self.done = threading.Event()
+        self.lead = False
+        self.row: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+
+    def outcome(self, database: Database, schema: str, query: str) -> dict[str, Any]:
+        if self.error is not None:
+            raise self.error
+        assert self.row is not None
+        if self.row["outcome"] == "busy":  # its key was locked elsewhere: taken alone, waiting for it
+            return one_statement(database, _sql.rendered(query, schema), self.params)
+        return self.row
+
+
+def _take_many(database: Database, schema: str, group: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    first = group[0]  # the same middleware: one lock prefix, owner, lease and target for all
+    params = {
+        "lock_prefix": first["lock_prefix"],
+        "owner": first["owner"],
+        "lease_ms": first["lease_ms"],
+        "async": first["async"],
+        "message_ids": [take["message_id"] for take in group],
+        "queue_names": [take["queue_name"] for take in group],
+        "bodies": [take["body"] for take in group],
+        "priorities": [take["priority"] for take in group],
+    }
+    with database.connection() as conn, autocommit(conn):
+        rows = conn.cursor(row_factory=dict_row).execute(_sql.rendered("order_take_many", schema), params).fetchall()
+    if len(rows) != len(group):
+        raise RuntimeError(f"{len(group)} takes gave {len(rows)} rows")
+    return rows
+
+
+def _lock_prefix(schema: str) -> str:
+    """The advisory lock a take, release or sweep of a key holds is this prefix and the key (the
+    sender's lock, held until the sender commits, is another one: a take never waits for a sender)."""
+    return f"dramatiq_reliable.order-run:{schema}:"
 
 
 def _in_worker() -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from collections.abc import Iterator
@@ -10,7 +11,8 @@ from typing import Any
 import dramatiq
 import psycopg
 import pytest
-from dramatiq.middleware import Callbacks
+from dramatiq.broker import MessageProxy
+from dramatiq.middleware import Callbacks, SkipMessage
 from psycopg import sql
 
 from dramatiq_reliable import PostgresBroker
@@ -101,3 +103,27 @@ def test_a_key_function_that_raises_fails_closed_the_job_does_not_run(
     finally:
         worker.stop()
     assert _count(db, db_schema, "concurrency_slots") == 0
+
+
+def test_a_parked_job_is_woken_with_its_priority(
+    limited: PostgresBroker, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    middleware = next(m for m in limited.middleware if isinstance(m, ConcurrencyLimit))
+    export = dramatiq.actor(
+        lambda n: None,
+        actor_name="export",
+        queue_name="limited",
+        broker=limited,
+        concurrency_limit=1,
+        concurrency_limit_key=lambda n: "tenant",
+    )
+    running = MessageProxy(export.send(0))
+    urgent = MessageProxy(export.send_with_options(args=(1,), broker_priority=9))
+    queue = sql.Identifier(db_schema, "queue")
+    db.execute(sql.SQL("DELETE FROM {}").format(queue))  # both delivered (and acked)
+    middleware.before_process_message(limited, running)
+    with pytest.raises(SkipMessage, match="parked"):  # on another worker thread: a context of its own
+        contextvars.copy_context().run(middleware.before_process_message, limited, urgent)
+    middleware.after_process_message(limited, running, result=None)
+    woken = db.execute(sql.SQL("SELECT message_id, priority FROM {}").format(queue)).fetchall()
+    assert woken == [(urgent.message_id, 9)], "the woken job lost its priority"

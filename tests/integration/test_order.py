@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import threading
 import time
@@ -11,7 +12,8 @@ from typing import Any
 import dramatiq
 import psycopg
 import pytest
-from dramatiq.middleware import Callbacks
+from dramatiq.broker import MessageProxy
+from dramatiq.middleware import Callbacks, SkipMessage
 from psycopg import sql
 
 from dramatiq_reliable import (
@@ -26,7 +28,9 @@ from dramatiq_reliable import (
 from dramatiq_reliable.cli import main
 from dramatiq_reliable.dead_letters import PostgresDeadLetterStore
 from dramatiq_reliable.flow import OrderedKeys, order_waiting
+from dramatiq_reliable.flow import order as order_module
 from dramatiq_reliable.jobs import cancel_job
+from dramatiq_reliable.schema import ORDER_CONCURRENCY_VERSION
 from dramatiq_reliable.testing import wait_for
 
 pytestmark = pytest.mark.integration
@@ -197,7 +201,7 @@ def test_a_message_sent_without_a_place_is_not_run_but_dead_lettered(
     assert runs == []
 
 
-def test_a_schema_without_migration_14_refuses_the_send_naming_the_command(
+def test_a_schema_without_the_order_tables_refuses_the_send_naming_the_command(
     database_url: str, db_schema: str, db: psycopg.Connection[Any]
 ) -> None:
     db.execute(sql.SQL("DROP TABLE {} CASCADE").format(sql.Identifier(db_schema, "order_jobs")))
@@ -206,7 +210,8 @@ def test_a_schema_without_migration_14_refuses_the_send_naming_the_command(
     try:
         sync = dramatiq.actor(lambda n: None, actor_name="sync", broker=broker, order_key=str)
         with pytest.raises(
-            DatabaseUnavailable, match=rf"needs schema '{db_schema}' at version 14 .*run 'dramatiq-reliable"
+            DatabaseUnavailable,
+            match=rf"needs schema '{db_schema}' at version {ORDER_CONCURRENCY_VERSION} .*run 'dramatiq-reliable",
         ):
             sync.send(1)
     finally:
@@ -274,7 +279,7 @@ def test_a_head_whose_worker_died_before_its_release_is_sent_again_once_its_leas
         queue = sql.Identifier(db_schema, "queue")
         (body,) = db.execute(sql.SQL("SELECT body FROM {}").format(queue)).fetchone() or (None,)
         # A worker took the head and acked its delivery, then died before the release.
-        take = sql.SQL("SELECT outcome FROM {}.order_take(%s, 'gone', 300, 'ordered', %s, false)")
+        take = sql.SQL("SELECT outcome FROM {}.order_take('lock:', %s, 'gone', 300, 'ordered', %s, NULL, false, true)")
         assert db.execute(take.format(sql.Identifier(db_schema)), (sent.message_id, body)).fetchone() == ("run",)
         db.execute(sql.SQL("DELETE FROM {}").format(queue))
         assert middleware.sweep(broker) == 0  # the lease still holds
@@ -299,3 +304,86 @@ def test_a_cancelled_job_gives_up_its_place_so_its_successors_run(
     worker.start()
     wait_for(lambda: runs == [1, 2], message=f"the cancelled head held its key: {runs}")
     wait_for(lambda: not _rows(db, db_schema), message="places left behind")
+
+
+def test_a_woken_job_keeps_its_priority_and_place_and_a_finished_key_leaves_no_row(
+    ordered: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    middleware = next(m for m in ordered.middleware if isinstance(m, OrderedKeys))
+    step = dramatiq.actor(lambda n: None, actor_name="step", queue_name=queue, broker=ordered, order_key=lambda n: "k")
+    with ordered.transaction():
+        first = step.send(0)
+        second = step.send_with_options(args=(1,), broker_priority=7)
+    table = sql.Identifier(db_schema, "queue" if isinstance(ordered, PostgresBroker) else "outbox")
+    db.execute(sql.SQL("DELETE FROM {}").format(table))  # both delivered (and acked): the rows are gone
+    head, early = MessageProxy(first), MessageProxy(second)
+    middleware.before_process_message(ordered, head)
+    with pytest.raises(SkipMessage, match="not its turn"):  # on another worker thread: a context of its own
+        contextvars.copy_context().run(middleware.before_process_message, ordered, early)
+    (parked_by,) = db.execute("SELECT clock_timestamp()").fetchone() or (None,)
+    middleware.after_process_message(ordered, head, result=None)  # wakes the parked job
+    woken = db.execute(sql.SQL("SELECT message_id, priority FROM {}").format(table)).fetchall()
+    assert woken == [(second.message_id, 7)], "the woken job lost its priority"
+    if isinstance(ordered, PostgresBroker):  # and its place: ahead of what was sent after it
+        (since,) = db.execute(sql.SQL("SELECT available_at FROM {}").format(table)).fetchone() or (None,)
+        assert since < parked_by, "the woken job went to the back of the queue"
+    middleware.before_process_message(ordered, MessageProxy(second))
+    middleware.after_process_message(ordered, MessageProxy(second), result=None)
+    assert _rows(db, db_schema) == []
+    leftovers = db.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = %s AND table_name LIKE 'order%%'",
+        (db_schema,),
+    ).fetchall()
+    assert leftovers == [("order_jobs",)], "a per-key table that nothing purges"
+
+
+def test_a_retry_delivered_before_its_failed_run_is_released_is_sent_again_not_lost(
+    ordered: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    middleware = next(m for m in ordered.middleware if isinstance(m, OrderedKeys))
+    step = dramatiq.actor(lambda n: None, actor_name="step", queue_name=queue, broker=ordered, order_key=lambda n: "k")
+    sent = step.send(0)
+    table = sql.Identifier(db_schema, "queue" if isinstance(ordered, PostgresBroker) else "outbox")
+    db.execute(sql.SQL("DELETE FROM {}").format(table))
+    running = MessageProxy(sent)
+    middleware.before_process_message(ordered, running)
+    # The run failed and its retry was delivered (on another thread) before the release.
+    with pytest.raises(SkipMessage, match="the message was parked"):
+        contextvars.copy_context().run(middleware.before_process_message, ordered, MessageProxy(sent))
+    middleware.after_process_message(ordered, running, exception=RuntimeError("boom"))
+    resent = db.execute(sql.SQL("SELECT message_id FROM {}").format(table)).fetchall()
+    assert resent == [(sent.message_id,)], "the retry was acked while parked and never sent again"
+    assert [state for *_, state in _rows(db, db_schema)] == ["waiting"]
+
+
+def test_takes_written_in_one_group_never_wait_for_a_key_locked_elsewhere(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any]
+) -> None:
+    broker = PostgresBroker(database=database_url, schema=db_schema)
+    middleware = OrderedKeys()
+    broker.add_middleware(middleware)
+    try:
+        step = dramatiq.actor(lambda key: None, actor_name="step", queue_name="ordered", broker=broker, order_key=str)
+        free, locked = step.send("free"), step.send("locked")
+        takes = [
+            {
+                "lock_prefix": order_module._lock_prefix(db_schema),
+                "message_id": sent.message_id,
+                "owner": "test",
+                "lease_ms": 30_000,
+                "queue_name": "ordered",
+                "body": sent.encode(),
+                "priority": None,
+                "async": False,
+            }
+            for sent in (free, locked)
+        ]
+        with psycopg.connect(database_url) as holder:  # a transaction elsewhere holds the key "locked"
+            holder.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"{takes[1]['lock_prefix']}locked",)
+            )
+            rows = order_module._take_many(broker.database, db_schema, takes)
+            assert [row["outcome"] for row in rows] == ["run", "busy"]  # returned at once, not waited for
+        assert [state for *_, state in _rows(db, db_schema)] == ["running", "waiting"]  # "locked" was left as it was
+    finally:
+        broker.close()

@@ -13,9 +13,10 @@ import psycopg
 import pytest
 from dramatiq.broker import MessageProxy
 from dramatiq.middleware import Callbacks, CurrentMessage, SkipMessage
+from psycopg import sql
 from starlette.testclient import TestClient
 
-from dramatiq_reliable import WorkerRelay
+from dramatiq_reliable import Idempotency, WorkerRelay
 from dramatiq_reliable.cli.status import render_table
 from dramatiq_reliable.flow import RateLimit, RateLimits, limited_keys
 from dramatiq_reliable.flow.middleware import LATE_KEY, SLOT_KEY
@@ -145,3 +146,32 @@ def test_a_job_back_far_too_late_for_its_token_takes_a_new_one_once_then_runs(
     again.options[LATE_KEY] = True
     limits.before_process_message(pg_broker, again)  # late twice: it runs rather than wait for ever
     assert LATE_KEY not in again.options
+
+
+def test_a_redelivery_of_a_job_already_done_takes_no_token(
+    pg_broker: Any, conn: psycopg.Connection[Any], db_schema: str
+) -> None:
+    limits = RateLimits([API], hold_ms=0)
+    idempotency = Idempotency(default_mode="transactional")
+    pg_broker.add_middleware(limits)
+    pg_broker.add_middleware(idempotency)
+    actor = dramatiq.actor(lambda n: None, actor_name="api_call", broker=pg_broker, rate_limit="api")
+    done = MessageProxy(actor.message(1))
+    limits.before_process_message(pg_broker, done)
+    idempotency.before_process_message(pg_broker, done)
+    idempotency.after_process_message(pg_broker, done, result=None)  # its key commits: it is done
+
+    def granted() -> int:
+        row = conn.execute(
+            sql.SQL("SELECT granted FROM {} WHERE key = 'api'").format(sql.Identifier(db_schema, "rate_limit_buckets"))
+        ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    assert granted() == 1
+    limits.before_process_message(pg_broker, MessageProxy(done._message))  # redelivered
+    assert granted() == 1, "the duplicate took a token"
+    with pytest.raises(SkipMessage, match="postponed"):  # a new job still takes one (the burst is 1)
+        limits.before_process_message(pg_broker, MessageProxy(actor.message(2)))
+    with pytest.raises(SkipMessage):  # and Idempotency skips the duplicate unrun
+        idempotency.before_process_message(pg_broker, MessageProxy(done._message))
