@@ -97,7 +97,11 @@ def test_an_unknown_id_exits_7_with_one_line_that_names_the_fix(run: Any) -> Non
     assert err.count("\n") == 1
 
 
-def test_list_filters_by_state_actor_and_queue(run: Any, db: psycopg.Connection[Any], db_schema: str) -> None:
+def test_list_filters_by_state_actor_and_queue(
+    run: Any, db: psycopg.Connection[Any], db_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The table fits the terminal: a wide one, whatever runs the tests (a pipe, a narrow pane).
+    monkeypatch.setenv("COLUMNS", "200")
     waiting = _queued(db, db_schema, "send_email")
     retrying = _queued(db, db_schema, "charge", due_in_s=60)
     _failed(db, db_schema, retrying, "charge")
