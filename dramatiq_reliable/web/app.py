@@ -252,6 +252,7 @@ def _routes() -> list[Route | Mount]:
         Route("/batches", batches.batch_list, name="batches"),
         # The id in the query, as the job page's: Batch(id=...) may hold "/".
         Route("/batches/show", batches.batch, name="batch"),
+        Route("/batches/cancel", batches.cancel, methods=["POST"], name="batch_cancel"),
         Route("/schedules", views.schedules, name="schedules"),
         Route("/rate-limits", rate_limits.rate_limits, name="rate_limits"),
         Route("/schedules/{name:str}/{verb:str}", actions.schedule_action, methods=["POST"], name="schedule_action"),
