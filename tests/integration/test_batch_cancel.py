@@ -19,7 +19,7 @@ from dramatiq.middleware import Callbacks
 from psycopg import sql
 from starlette.testclient import TestClient
 
-from dramatiq_reliable import ConfigurationError, Idempotency, JobNotFound, PostgresBroker, cancel_batch
+from dramatiq_reliable import ConfigurationError, Idempotency, JobNotFound, OutboxBroker, PostgresBroker, cancel_batch
 from dramatiq_reliable.cli import main
 from dramatiq_reliable.testing import wait_for
 from dramatiq_reliable.web import Access, create_app
@@ -40,14 +40,14 @@ def broker(database_url: str, db_schema: str) -> Iterator[PostgresBroker]:
     made.close()
 
 
-def _queued(db: psycopg.Connection[Any], schema: str, message_id: str) -> int:
-    query = sql.SQL("SELECT count(*) FROM {} WHERE message_id = %s").format(sql.Identifier(schema, "queue"))
+def _queued(db: psycopg.Connection[Any], schema: str, message_id: str, table: str = "queue") -> int:
+    query = sql.SQL("SELECT count(*) FROM {} WHERE message_id = %s").format(sql.Identifier(schema, table))
     row = db.execute(query, (message_id,)).fetchone()
     assert row is not None
     return int(row[0])
 
 
-def _batch(broker: PostgresBroker, children: int, **options: Any) -> tuple[Batch, list[Any]]:
+def _batch(broker: Any, children: int, **options: Any) -> tuple[Batch, list[Any]]:
     after = broker.actors["after"]
     batch = Batch(callback=after.message("callback"), on_failure=after.message("on_failure"), broker=broker, **options)
     with broker.transaction(), batch:
@@ -113,6 +113,24 @@ def test_a_cancelled_batch_never_fires_and_its_unfinished_children_never_run(
     assert main(["batches", "show", open_one.id, *cli]) == 0
     assert "by carol at" in capsys.readouterr().out
     assert main(["batches", "cancel", "no-such-batch", "--yes", *cli]) == 7
+
+
+def test_on_an_outbox_broker_the_unpublished_children_are_deleted_from_the_outbox(
+    database_url: str, db_schema: str, rabbitmq_url: str, queue_name: str, db: psycopg.Connection[Any]
+) -> None:
+    outbox = OutboxBroker(url=rabbitmq_url, database=database_url, schema=db_schema)  # no relay: nothing published
+    try:
+        outbox.add_middleware(Batches())
+        dramatiq.actor(lambda n: None, actor_name="child", queue_name=queue_name, broker=outbox)
+        dramatiq.actor(lambda what: None, actor_name="after", queue_name=queue_name, broker=outbox)
+        batch, sent = _batch(outbox, 2)
+        result = cancel_batch(outbox.database, db_schema, batch.id, by="alice")
+        assert sorted(job.outcome for job in result.jobs) == ["outbox", "outbox"]
+        assert [_queued(db, db_schema, m.message_id, "outbox") for m in sent] == [0, 0]
+        assert Batches()._finish(outbox, MessageProxy(sent[1]), dead=False, conn=None) == "duplicate"
+        assert _queued(db, db_schema, batch.callback.message_id, "outbox") == 0
+    finally:
+        outbox.close()
 
 
 def test_a_child_finishing_during_the_cancel_is_not_waited_for_and_fires_nothing_after_it(
