@@ -72,6 +72,7 @@ from .workflows import (
     Workflows,
     WorkflowStatus,
     batch_status,
+    cancel_batch,
     cancel_workflow,
     workflow_status,
 )
@@ -141,6 +142,7 @@ __all__ = [
     "batch_status",
     "bind",
     "build_middleware",
+    "cancel_batch",
     "cancel_job",
     "cancel_workflow",
     "check_cancelled",

@@ -27,6 +27,7 @@ from . import _sql
 from .errors import SchemaNotReady
 
 __all__ = [
+    "BATCH_CANCEL_VERSION",
     "BATCH_VERSION",
     "CANCEL_VERSION",
     "DEAD_LETTERS_VERSION",
@@ -78,6 +79,8 @@ ORDER_CONCURRENCY_VERSION = 20
 BATCH_VERSION = 15
 # Workflows: chains of steps and groups (workflows/workflow.py): created by 17.
 WORKFLOW_VERSION = 17
+# Cancelling a batch, and its children found by message id (workflows/status.py): created by 21.
+BATCH_CANCEL_VERSION = 21
 # Singleton acquires without a WAL flush of their own, guarded by an unlogged crash marker: created by 19.
 SINGLETON_VERSION = 19
 

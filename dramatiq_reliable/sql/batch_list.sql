@@ -1,6 +1,7 @@
 -- The newest batches (all, or those in one state), each with its counts summed over its shards.
 -- The limit applies to the batches first, so the shards are read for the rows shown only.
 SELECT b.id, b.if_child_dies, b.callback_actor, b.created_at, b.sealed_at, b.fired_at, b.outcome,
+       b.cancelled_at, b.cancelled_by, b.cancel_reason,
        coalesce(s.total, 0)::bigint AS total,
        coalesce(s.pending, 0)::bigint AS pending,
        coalesce(s.dead, 0)::bigint AS dead

@@ -1,5 +1,6 @@
 -- Progress of one batch, by id: counts summed over its shards (no scan of its children).
 SELECT b.id, b.if_child_dies, b.callback_actor, b.created_at, b.sealed_at, b.fired_at, b.outcome,
+       b.cancelled_at, b.cancelled_by, b.cancel_reason,
        coalesce(sum(h.total), 0)::bigint AS total,
        coalesce(sum(h.pending), 0)::bigint AS pending,
        coalesce(sum(h.dead), 0)::bigint AS dead

@@ -1,6 +1,6 @@
 """The actions (POST only): replay and discard dead letters, retry failing outbox rows, pause, resume, trigger schedules.
 
-(Cancelling a job is in :mod:`.jobs`, beside the job page.)
+(Cancelling a job is in :mod:`.jobs`, beside the job page; cancelling a batch in :mod:`.batches`.)
 
 By the time a handler runs, the gate in :mod:`.app` has let through only same-site POSTs from
 users with full access.  A replay or discard first answers with a confirmation page saying how
@@ -49,7 +49,8 @@ _SCHEDULE_VERBS = ("pause", "resume", "trigger")
 class WebAction(events.Event):
     """Someone acted from the web page: ``who`` (the access hook's user, else the client address),
     ``action`` (``dead_letters.replay``, ``dead_letters.discard``, ``outbox.retry``,
-    ``schedule.pause``, ``schedule.resume``, ``schedule.trigger``, ``job.cancel``, ``workflow.cancel``), ``selection`` (what it applied
+    ``schedule.pause``, ``schedule.resume``, ``schedule.trigger``, ``job.cancel``, ``batch.cancel``,
+    ``workflow.cancel``), ``selection`` (what it applied
     to, as people read it), ``matched`` (rows it found), ``done`` (rows changed) and ``refused``
     (rows left alone: too old, already handled)."""
 

@@ -253,6 +253,7 @@ def _routes() -> list[Route | Mount]:
         Route("/batches", batches.batch_list, name="batches"),
         # The id in the query, as the job page's: Batch(id=...) may hold "/".
         Route("/batches/show", batches.batch, name="batch"),
+        Route("/batches/cancel", batches.cancel, methods=["POST"], name="batch_cancel"),
         Route("/workflows", workflows.workflow_list, name="workflows"),
         # The id in the query, as the job page's: Workflow(id=...) may hold "/".
         Route("/workflows/show", workflows.workflow, name="workflow"),

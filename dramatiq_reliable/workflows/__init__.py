@@ -12,13 +12,14 @@ from .state import (
     list_workflows,
     workflow_status,
 )
-from .status import BatchStatus, batch_status
+from .status import BatchCancel, BatchStatus, batch_status, cancel_batch
 from .workflow import WORKFLOW_OPTION, Group, Workflow, Workflows
 
 __all__ = [
     "BATCH_OPTION",
     "WORKFLOW_OPTION",
     "Batch",
+    "BatchCancel",
     "BatchStatus",
     "Batches",
     "Group",
@@ -29,6 +30,7 @@ __all__ = [
     "WorkflowSummary",
     "Workflows",
     "batch_status",
+    "cancel_batch",
     "cancel_workflow",
     "list_workflows",
     "workflow_status",

@@ -180,6 +180,8 @@ class Batch:
         status = self._statement(conn, "batch_add", {"batch_id": self.id, "message_id": message.message_id})
         if status == "sealed":
             raise ConfigurationError(f"batch {self.id!r} is sealed; start a new Batch for more children")
+        if status == "cancelled":
+            raise ConfigurationError(f"batch {self.id!r} was cancelled; start a new Batch for more children")
         if status == "unknown":
             raise ConfigurationError(
                 f"batch {self.id!r} does not exist in this transaction (the one that created it rolled back, or has "
