@@ -43,10 +43,12 @@ DROP INDEX {schema}.order_keys_expires;
 DROP TABLE {schema}.order_keys;
 
 -- Send a parked message again with its priority (see 0014); p_since (or now): where it queues.
+-- Both new arguments default to NULL (priority 0, queued now), so the six-argument calls of the
+-- batch and workflow functions (0015, 0017) resolve to this one.
 DROP FUNCTION {schema}.flow_resend(text, text, text, text, text, bytea);
 CREATE FUNCTION {schema}.flow_resend(
     p_target text, p_channel text, p_message_id text, p_queue_name text, p_actor_name text, p_body bytea,
-    p_priority smallint, p_since timestamptz
+    p_priority smallint DEFAULT NULL, p_since timestamptz DEFAULT NULL
 ) RETURNS void LANGUAGE plpgsql SET search_path TO {schema}, pg_catalog AS $$
 BEGIN
     IF p_target = 'queue' THEN
