@@ -406,9 +406,9 @@ class Idempotency(Middleware):
         if running is None or running.message is not message:
             return
         if exception is not None or message.failed:
-            # Failed without raising (by a before-hook such as AgeLimit, so the actor did not run,
-            # or by a later after-hook such as Batches that could not write what it owes): the
-            # message goes to the dead letters, and its replay must run, not be skipped by a key.
+            # Failed without raising (by a later after-hook, such as Batches when it could not
+            # write what the job owes it): the message goes to the dead letters, and its replay
+            # must run, not be skipped by a key.
             self._finish(running, commit=False)
             return
         if running.job.mode == "transactional":

@@ -10,7 +10,14 @@ to a Postgres outage would leave the batch or workflow waiting for ever.  Instea
    and does nothing), so a retry after a connection broke mid-commit counts once;
 2. past that, the message is failed (nacked, so it lands in the dead letters) instead of acked,
    and not recorded as a dead child or step, because its actor succeeded.  Replaying the dead
-   letter runs the actor again and writes the mark once.
+   letter runs the actor again and writes the mark once.  ``Idempotency`` stores no key for a
+   message failed this way (record mode), so the replay is not skipped as a duplicate.
+
+In the job's transaction (transactional ``Idempotency``), a database error aborts it and the
+job's commit fails and decides; any other error (a next stage refused by a ``before_enqueue``
+hook) would let the job commit without its mark, so the message is failed and ``Idempotency``
+rolls the job back.  A death (``after_nack``) is written the same way, but the message is nacked
+already: a death that cannot be written is logged, and the dead letter's replay counts it.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psycopg
 from dramatiq.broker import MessageProxy
@@ -65,6 +72,31 @@ def write_until(write: Callable[[], T], *, timeout_ms: int, what: str) -> T:
             pause = min(pause * 2, _MAX_PAUSE_S)
 
 
+def left_to_commit(conn: psycopg.Connection[Any], error: BaseException) -> bool:
+    """Whether ``error`` left the job's transaction unable to commit.
+
+    Then ``Idempotency``'s commit fails and decides, as for any job whose commit failed (a
+    serialization failure retried, a broken connection retried as an unknown outcome).  Any
+    other error would let the job commit without its mark, so the caller fails the message.
+    """
+    return isinstance(error, psycopg.Error) and (
+        conn.closed or conn.broken or conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+    )
+
+
+def dead_unrecorded(message: MessageProxy, error: BaseException, *, what: str) -> None:
+    """Log, naming the fix, a death that could not be written after the message was nacked."""
+    logger.error(
+        "%s: message %r (%s) died, but its death could not be written: %s: %s; the message is in the dead "
+        "letters, replay it once Postgres is reachable (it runs again and is counted once)",
+        what,
+        message.message_id,
+        message.actor_name,
+        type(error).__name__,
+        redact(first_line(error)),
+    )
+
+
 class FailedClosed:
     """The messages this process failed because their mark could not be written.
 
@@ -76,14 +108,23 @@ class FailedClosed:
         self._ids: set[str] = set()
         self._lock = threading.Lock()
 
-    def fail(self, message: MessageProxy, error: BaseException, *, what: str, timeout_ms: int) -> None:
-        """Fail ``message`` (nacked into the dead letters, not acked) and log why, naming the fix."""
+    def fail(self, message: MessageProxy, error: BaseException, *, what: str, timeout_ms: int | None) -> None:
+        """Fail ``message`` (nacked into the dead letters, not acked) and log why, naming the fix.
+
+        ``timeout_ms`` is how long a write on a connection of its own was tried; ``None`` for a
+        write in the job's transaction, which ``Idempotency`` then rolls back (the message failed).
+        """
+        how = "in the job's transaction (rolled back)" if timeout_ms is None else f"for {timeout_ms} ms"
+        fix = (
+            "replay it once the error is fixed"
+            if timeout_ms is None
+            else "replay it once Postgres is reachable (the actor runs again and is counted once), or add Idempotency "
+            "in transactional mode so the mark commits with the job"
+        )
         failure = DatabaseUnavailable(
             f"{what}: the actor of message {message.message_id!r} ({message.actor_name}) returned, but its mark could "
-            f"not be written for {timeout_ms} ms: {type(error).__name__}: {redact(first_line(error))}; the message "
-            "was failed, not acked, so it is kept in the dead letters: replay it once Postgres is reachable (the "
-            "actor runs again and is counted once), or add Idempotency in transactional mode so the mark commits "
-            "with the job"
+            f"not be written {how}: {type(error).__name__}: {redact(first_line(error))}; the message was failed, not "
+            f"acked, so it is kept in the dead letters: {fix}"
         )
         failure.__cause__ = error
         with self._lock:

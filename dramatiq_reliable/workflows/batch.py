@@ -59,7 +59,7 @@ from ..errors import ConfigurationError, DatabaseUnavailable, NotBound
 from ..idempotency._connections import autocommit
 from ..idempotency.context import send_with_commit
 from ..outbox.wake import channel
-from ._failclosed import DEFAULT_WRITE_TIMEOUT_MS, FailedClosed, write_until
+from ._failclosed import DEFAULT_WRITE_TIMEOUT_MS, FailedClosed, dead_unrecorded, left_to_commit, write_until
 
 __all__ = ["BATCH_OPTION", "Batch", "Batches", "IfChildDies"]
 
@@ -256,19 +256,24 @@ class Batches(Middleware):
         result: Any | None = None,
         exception: BaseException | None = None,
     ) -> None:
-        # A message failed before its actor ran (AgeLimit) did not finish: its nack counts it dead.
+        # A message another hook failed without raising is nacked: its after_nack counts it dead.
         if exception is None and not message.failed and BATCH_OPTION in message.options:
             conn = bound_connection()
+            what = f"batch {message.options[BATCH_OPTION]!r}"
             if conn is not None:
-                # In the job's transaction: a failure aborts it, so the job's commit fails and it is retried.
-                if not self._with_commit(broker, message, conn):
-                    self._finish(broker, message, dead=False, conn=conn)
+                try:
+                    if not self._with_commit(broker, message, conn):
+                        self._finish(broker, message, dead=False, conn=conn)
+                except Exception as error:
+                    if left_to_commit(conn, error):
+                        raise  # the job's commit fails, and it is retried or dead-lettered
+                    # The job would commit without its count: fail it, and Idempotency rolls it back.
+                    self._failed_closed.fail(message, error, what=what, timeout_ms=None)
                 return
             try:
                 self._finish(broker, message, dead=False, conn=None)
             except Exception as error:
                 # Dramatiq would log this and ack the message: the batch would wait for ever.
-                what = f"batch {message.options[BATCH_OPTION]!r}"
                 self._failed_closed.fail(message, error, what=what, timeout_ms=self.write_timeout_ms)
 
     def _with_commit(self, broker: Broker, message: MessageProxy, conn: psycopg.Connection[Any]) -> bool:
@@ -285,7 +290,11 @@ class Batches(Middleware):
     def after_nack(self, broker: Broker, message: MessageProxy) -> None:
         # The worker gave up on it: its job transaction rolled back, so the death is recorded alone.
         if BATCH_OPTION in message.options and not self._failed_closed.take(message):
-            self._finish(broker, message, dead=True, conn=None)
+            try:
+                self._finish(broker, message, dead=True, conn=None)
+            except Exception as error:
+                # Nacked already: nothing to fail.  The batch waits for it until its dead letter is replayed.
+                dead_unrecorded(message, error, what=f"batch {message.options[BATCH_OPTION]!r}")
 
     def _finish(
         self, broker: Broker, message: MessageProxy, *, dead: bool, conn: psycopg.Connection[Any] | None

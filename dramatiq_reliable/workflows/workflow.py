@@ -59,7 +59,7 @@ from ..binding import ambient_connection, bind, bound_connection, check_joinable
 from ..database import Database
 from ..errors import ConfigurationError, DatabaseUnavailable, NotBound
 from ..schema import WORKFLOW_VERSION, ensure_ready
-from ._failclosed import DEFAULT_WRITE_TIMEOUT_MS, FailedClosed, write_until
+from ._failclosed import DEFAULT_WRITE_TIMEOUT_MS, FailedClosed, dead_unrecorded, left_to_commit, write_until
 from .batch import _declared, _target
 
 __all__ = ["MAX_RESULT_BYTES", "WORKFLOW_LINKS_OPTION", "WORKFLOW_OPTION", "Group", "Workflow", "Workflows"]
@@ -324,23 +324,34 @@ class Workflows(Middleware):
         result: Any | None = None,
         exception: BaseException | None = None,
     ) -> None:
-        # A message failed before its actor ran (AgeLimit) did not finish: its nack marks it dead.
+        # A message another hook failed without raising is nacked: its after_nack marks it dead.
         if exception is None and not message.failed and WORKFLOW_OPTION in message.options:
             conn = bound_connection()
+            what = f"workflow {message.options[WORKFLOW_OPTION]!r}"
             if conn is not None:
-                self.finish(broker, message, dead=False, result=result, conn=conn)
+                try:
+                    self.finish(broker, message, dead=False, result=result, conn=conn)
+                except Exception as error:
+                    if left_to_commit(conn, error):
+                        raise  # the job's commit fails, and it is retried or dead-lettered
+                    # The job would commit its mark without the next stage (a send refused by a
+                    # before_enqueue hook): fail it, and Idempotency rolls it back.
+                    self._failed_closed.fail(message, error, what=what, timeout_ms=None)
                 return
             try:
                 self.finish(broker, message, dead=False, result=result, conn=None)
             except Exception as error:
                 # Dramatiq would log this and ack the message: the workflow would wait for ever.
-                what = f"workflow {message.options[WORKFLOW_OPTION]!r}"
                 self._failed_closed.fail(message, error, what=what, timeout_ms=self.write_timeout_ms)
 
     def after_nack(self, broker: Broker, message: MessageProxy) -> None:
         # The worker gave up on it: its job transaction rolled back, so the death is recorded alone.
         if WORKFLOW_OPTION in message.options and not self._failed_closed.take(message):
-            self.finish(broker, message, dead=True, result=None, conn=None)
+            try:
+                self.finish(broker, message, dead=True, result=None, conn=None)
+            except Exception as error:
+                # Nacked already: nothing to fail.  The workflow waits for it until its dead letter is replayed.
+                dead_unrecorded(message, error, what=f"workflow {message.options[WORKFLOW_OPTION]!r}")
 
     def finish(
         self,

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import dramatiq
 import psycopg
 import pytest
-from dramatiq.middleware import Callbacks
+from dramatiq.middleware import Callbacks, Middleware
 from psycopg import sql
 
-from dramatiq_reliable import DeadLetters, Idempotency, PostgresBroker, PostgresDeadLetterStore
+from dramatiq_reliable import DeadLetters, Idempotency, MiddlewareFailed, PostgresBroker, PostgresDeadLetterStore
 from dramatiq_reliable.testing import wait_for
 from dramatiq_reliable.workflows import Batch, Batches, Workflow, Workflows, batch_status, workflow_status
 
@@ -30,12 +30,23 @@ def _rename(db: psycopg.Connection[Any], schema: str, table: str, to: str) -> No
     db.execute(sql.SQL("ALTER TABLE {} RENAME TO {}").format(sql.Identifier(schema, table), sql.Identifier(to)))
 
 
+class _Refuse(Middleware):
+    """Refuses to send the messages of the actors named in ``refused`` (as a failing dedupe check would)."""
+
+    refused: ClassVar[set[str]] = set()
+
+    def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
+        if message.actor_name in self.refused:
+            raise MiddlewareFailed(f"refused to send {message.actor_name}")
+
+
 @pytest.fixture(params=["no_idempotency", "record"])
 def broker(request: pytest.FixtureRequest, database_url: str, db_schema: str) -> Iterator[PostgresBroker]:
     """A PostgresBroker whose children and steps run with no job transaction bound."""
     instance = PostgresBroker(database=database_url, schema=db_schema)
-    if request.param == "record":
-        instance.add_middleware(Idempotency(default_mode="record"), before=Callbacks)
+    if request.param != "no_idempotency":
+        instance.add_middleware(Idempotency(default_mode=request.param), before=Callbacks)
+    instance.add_middleware(_Refuse())
     instance.add_middleware(DeadLetters())
     instance.add_middleware(Batches(write_timeout_ms=300))
     instance.add_middleware(Workflows(write_timeout_ms=300))
@@ -157,4 +168,39 @@ def test_a_step_mark_that_cannot_be_written_dead_letters_the_step_and_its_replay
     assert PostgresDeadLetterStore.from_broker(broker).replay(ids=[dead.id]).replayed == 1
     wait_for(lambda: "ab" in ran, timeout_ms=15_000, message="the replayed step did not resume the workflow")
     wait_for(lambda: workflow_status(broker.database, db_schema, workflow.id).state == "succeeded")
+    assert ran == ["first", "first", "ab"]
+
+
+@pytest.mark.parametrize("broker", ["transactional"], indirect=True)
+def test_a_next_stage_refused_in_the_jobs_transaction_rolls_the_step_back_into_the_dead_letters(
+    broker: PostgresBroker, worker: dramatiq.Worker, db_schema: str
+) -> None:
+    ran: list[str] = []
+
+    @dramatiq.actor(queue_name="refused", broker=broker, max_retries=0)
+    def first() -> str:
+        ran.append("first")
+        return "a"
+
+    @dramatiq.actor(queue_name="refused", broker=broker)
+    def second(previous: str) -> None:
+        ran.append(previous + "b")
+
+    workflow = Workflow([first.message(), second.message()], broker=broker)
+    with broker.transaction():
+        workflow.run()
+    _Refuse.refused = {"second"}
+    try:
+        worker.start()
+        # Swallowed by Dramatiq, the refusal let the mark commit with the job, without the next stage.
+        wait_for(lambda: _dead_letters(broker), timeout_ms=15_000, message="the step committed without its stage")
+    finally:
+        _Refuse.refused = set()
+    [dead] = _dead_letters(broker)
+    assert "in the job's transaction (rolled back)" in dead.error_message
+    status = workflow_status(broker.database, db_schema, workflow.id)
+    assert (status.state, [s.state for s in status.steps]) == ("running", ["sent", "waiting"])
+
+    assert PostgresDeadLetterStore.from_broker(broker).replay(ids=[dead.id]).replayed == 1
+    wait_for(lambda: "ab" in ran, timeout_ms=15_000, message="the replayed step did not resume the workflow")
     assert ran == ["first", "first", "ab"]
