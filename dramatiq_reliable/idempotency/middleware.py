@@ -405,7 +405,10 @@ class Idempotency(Middleware):
         running = current_running.get()
         if running is None or running.message is not message:
             return
-        if exception is not None:
+        if exception is not None or message.failed:
+            # Failed without raising (by a later after-hook, such as Batches when it could not
+            # write what the job owes it): the message goes to the dead letters, and its replay
+            # must run, not be skipped by a key.
             self._finish(running, commit=False)
             return
         if running.job.mode == "transactional":

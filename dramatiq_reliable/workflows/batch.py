@@ -15,6 +15,10 @@ transaction (with ``Idempotency`` in transactional mode, the transaction that co
 actor's writes and its key), and the child that finishes last writes the callback as a row of the
 outbox or queue table in that same transaction: a crash before the commit loses neither the
 count nor the callback, and a redelivered child finds its row counted already and does nothing.
+With no job transaction (no ``Idempotency``, or its record mode) the count is a statement of
+its own after the actor returns, and it fails closed: tried again while the worker holds the
+message, then the message is failed into the dead letters instead of acked (see
+``_failclosed``), so an outage never leaves the batch waiting for a child that ran.
 See ``sql/migrations/0015_batches.sql`` for how 128 counter shards keep 8 threads off one hot
 row while the last child still sees every other child's commit.
 
@@ -46,7 +50,7 @@ from dramatiq.middleware import Middleware
 from psycopg.rows import dict_row
 
 from .. import _sql
-from .._checks import check_choice, check_text
+from .._checks import check_choice, check_ms, check_text
 from .._util import first_line, redact
 from ..backing import backing_of
 from ..binding import ambient_connection, bound_connection, check_joinable
@@ -55,6 +59,7 @@ from ..errors import ConfigurationError, DatabaseUnavailable, NotBound
 from ..idempotency._connections import autocommit
 from ..idempotency.context import send_with_commit
 from ..outbox.wake import channel
+from ._failclosed import DEFAULT_WRITE_TIMEOUT_MS, FailedClosed, dead_unrecorded, left_to_commit, write_until
 
 __all__ = ["BATCH_OPTION", "Batch", "Batches", "IfChildDies"]
 
@@ -220,14 +225,24 @@ class Batches(Middleware):
     transaction, before the commit).  A child run without a transaction bound (no ``Idempotency``
     in transactional mode) is counted in a transaction of its own right after the actor returns:
     the count and the callback are still exactly once, but a crash between the actor's own commit
-    and the count runs that child again on redelivery.
+    and the count runs that child again on redelivery.  That count fails closed: it is tried
+    again for up to ``write_timeout_ms`` while the worker holds the message, then the message is
+    failed into the dead letters (not acked, not counted dead); its replay counts it.
+
+    Parameters:
+      write_timeout_ms: how long a count on a connection of its own is tried again before the
+        child's message is failed; default 30 s.
 
     >>> broker.add_middleware(Batches())  # doctest: +SKIP
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, write_timeout_ms: int = DEFAULT_WRITE_TIMEOUT_MS) -> None:
+        self.write_timeout_ms = check_ms(
+            "write_timeout_ms", write_timeout_ms, minimum=1, fix="e.g. 30_000; past it the child's message is failed"
+        )
         self._targets: dict[int, tuple[Database, str, dict[str, str]]] = {}
         self._lock = threading.Lock()
+        self._failed_closed = FailedClosed()
 
     def _target_of(self, broker: Broker) -> tuple[Database, str, dict[str, str]]:
         with self._lock:
@@ -243,10 +258,25 @@ class Batches(Middleware):
         result: Any | None = None,
         exception: BaseException | None = None,
     ) -> None:
-        if exception is None and BATCH_OPTION in message.options:
+        # A message another hook failed without raising is nacked: its after_nack counts it dead.
+        if exception is None and not message.failed and BATCH_OPTION in message.options:
             conn = bound_connection()
-            if conn is None or not self._with_commit(broker, message, conn):
-                self._finish(broker, message, dead=False, conn=conn)
+            what = f"batch {message.options[BATCH_OPTION]!r}"
+            if conn is not None:
+                try:
+                    if not self._with_commit(broker, message, conn):
+                        self._finish(broker, message, dead=False, conn=conn)
+                except Exception as error:
+                    if left_to_commit(conn, error):
+                        raise  # the job's commit fails, and it is retried or dead-lettered
+                    # The job would commit without its count: fail it, and Idempotency rolls it back.
+                    self._failed_closed.fail(message, error, what=what, timeout_ms=None)
+                return
+            try:
+                self._finish(broker, message, dead=False, conn=None)
+            except Exception as error:
+                # Dramatiq would log this and ack the message: the batch would wait for ever.
+                self._failed_closed.fail(message, error, what=what, timeout_ms=self.write_timeout_ms)
 
     def _with_commit(self, broker: Broker, message: MessageProxy, conn: psycopg.Connection[Any]) -> bool:
         """Hand the count to ``Idempotency`` to send with the job's COMMIT; ``False`` if it runs no job here.
@@ -261,8 +291,12 @@ class Batches(Middleware):
 
     def after_nack(self, broker: Broker, message: MessageProxy) -> None:
         # The worker gave up on it: its job transaction rolled back, so the death is recorded alone.
-        if BATCH_OPTION in message.options:
-            self._finish(broker, message, dead=True, conn=None)
+        if BATCH_OPTION in message.options and not self._failed_closed.take(message):
+            try:
+                self._finish(broker, message, dead=True, conn=None)
+            except Exception as error:
+                # Nacked already: nothing to fail.  The batch waits for it until its dead letter is replayed.
+                dead_unrecorded(message, error, what=f"batch {message.options[BATCH_OPTION]!r}")
 
     def _finish(
         self, broker: Broker, message: MessageProxy, *, dead: bool, conn: psycopg.Connection[Any] | None
@@ -274,8 +308,13 @@ class Batches(Middleware):
             # In the job's transaction: a failure aborts it, so the job's commit fails and it is retried.
             row = conn.cursor(row_factory=dict_row).execute(query, params).fetchone()
         else:
-            with database.connection() as own, autocommit(own):
-                row = own.cursor(row_factory=dict_row).execute(query, params).fetchone()
+
+            def write() -> dict[str, Any] | None:
+                with database.connection() as own, autocommit(own):
+                    return own.cursor(row_factory=dict_row).execute(query, params).fetchone()
+
+            what = f"batch {params['batch_id']!r}: counting child {message.message_id!r}"
+            row = write_until(write, timeout_ms=self.write_timeout_ms, what=what)
         assert row is not None
         status = str(row["status"])
         logger.debug("batch %s: child %s -> %s", params["batch_id"], message.message_id, status)

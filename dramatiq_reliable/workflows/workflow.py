@@ -14,7 +14,11 @@ messages in the caller's transaction.  The :class:`Workflows` middleware marks e
 the step's own job transaction (with ``Idempotency`` in transactional mode: the one that commits
 the actor's writes and its key) and, when that step finishes its stage, sends the next stage's
 messages in that same transaction.  A crash before the commit loses nothing; a redelivered step
-finds itself counted and sends nothing.
+finds itself counted and sends nothing.  With no job transaction (no ``Idempotency``, or its
+record mode) the mark is a transaction of its own after the actor returns, and it fails closed:
+tried again while the worker holds the message, then the message is failed into the dead
+letters instead of acked (see ``_failclosed``), so an outage never leaves the workflow waiting
+for a step that ran.
 
 **Results** are stored as JSON (``jsonb``) and must be small: at most :data:`MAX_RESULT_BYTES`
 encoded.  A result that is not JSON or is larger fails the workflow with an error that says so
@@ -49,12 +53,13 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from .. import _sql
-from .._checks import check_choice, check_text
+from .._checks import check_choice, check_ms, check_text
 from .._util import first_line, redact
 from ..binding import ambient_connection, bind, bound_connection, check_joinable
 from ..database import Database
 from ..errors import ConfigurationError, DatabaseUnavailable, NotBound
 from ..schema import WORKFLOW_VERSION, ensure_ready
+from ._failclosed import DEFAULT_WRITE_TIMEOUT_MS, FailedClosed, dead_unrecorded, left_to_commit, write_until
 from .batch import _declared, _target
 
 __all__ = ["MAX_RESULT_BYTES", "WORKFLOW_LINKS_OPTION", "WORKFLOW_OPTION", "Group", "Workflow", "Workflows"]
@@ -286,14 +291,24 @@ class Workflows(Middleware):
     run in reverse, so it then writes inside the step's job transaction, before its commit.  A
     step run with no transaction bound is marked in a transaction of its own right after the
     actor returns (exactly once still; a crash between the actor's commit and the mark runs
-    that step again on redelivery).
+    that step again on redelivery).  That mark fails closed: it is tried again for up to
+    ``write_timeout_ms`` while the worker holds the message, then the message is failed into
+    the dead letters (not acked, not marked dead); its replay marks it and sends the next stage.
+
+    Parameters:
+      write_timeout_ms: how long a mark on a connection of its own is tried again before the
+        step's message is failed; default 30 s.
 
     >>> broker.add_middleware(Workflows())  # doctest: +SKIP
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, write_timeout_ms: int = DEFAULT_WRITE_TIMEOUT_MS) -> None:
+        self.write_timeout_ms = check_ms(
+            "write_timeout_ms", write_timeout_ms, minimum=1, fix="e.g. 30_000; past it the step's message is failed"
+        )
         self._targets: dict[int, tuple[Database, str, dict[str, str]]] = {}
         self._lock = threading.Lock()
+        self._failed_closed = FailedClosed()
 
     def _target_of(self, broker: Broker) -> tuple[Database, str, dict[str, str]]:
         with self._lock:
@@ -309,13 +324,34 @@ class Workflows(Middleware):
         result: Any | None = None,
         exception: BaseException | None = None,
     ) -> None:
-        if exception is None and WORKFLOW_OPTION in message.options:
-            self.finish(broker, message, dead=False, result=result, conn=bound_connection())
+        # A message another hook failed without raising is nacked: its after_nack marks it dead.
+        if exception is None and not message.failed and WORKFLOW_OPTION in message.options:
+            conn = bound_connection()
+            what = f"workflow {message.options[WORKFLOW_OPTION]!r}"
+            if conn is not None:
+                try:
+                    self.finish(broker, message, dead=False, result=result, conn=conn)
+                except Exception as error:
+                    if left_to_commit(conn, error):
+                        raise  # the job's commit fails, and it is retried or dead-lettered
+                    # The job would commit its mark without the next stage (a send refused by a
+                    # before_enqueue hook): fail it, and Idempotency rolls it back.
+                    self._failed_closed.fail(message, error, what=what, timeout_ms=None)
+                return
+            try:
+                self.finish(broker, message, dead=False, result=result, conn=None)
+            except Exception as error:
+                # Dramatiq would log this and ack the message: the workflow would wait for ever.
+                self._failed_closed.fail(message, error, what=what, timeout_ms=self.write_timeout_ms)
 
     def after_nack(self, broker: Broker, message: MessageProxy) -> None:
         # The worker gave up on it: its job transaction rolled back, so the death is recorded alone.
-        if WORKFLOW_OPTION in message.options:
-            self.finish(broker, message, dead=True, result=None, conn=None)
+        if WORKFLOW_OPTION in message.options and not self._failed_closed.take(message):
+            try:
+                self.finish(broker, message, dead=True, result=None, conn=None)
+            except Exception as error:
+                # Nacked already: nothing to fail.  The workflow waits for it until its dead letter is replayed.
+                dead_unrecorded(message, error, what=f"workflow {message.options[WORKFLOW_OPTION]!r}")
 
     def finish(
         self,
@@ -326,13 +362,22 @@ class Workflows(Middleware):
         result: Any,
         conn: psycopg.Connection[Any] | None,
     ) -> str:
-        """Mark the step of ``message`` finished in ``conn``'s transaction (or one of its own); the status."""
+        """Mark the step of ``message`` finished in ``conn``'s transaction (or one of its own); the status.
+
+        In one of its own, the whole transaction (mark and next stage) is tried again for up to
+        ``write_timeout_ms``: a second try finds the mark and sends nothing twice.
+        """
         database, _, _ = self._target_of(broker)
         if conn is not None:
             # In the job's transaction: a failure aborts it, so the job's commit fails and it is retried.
             return self._finish_in(broker, conn, message, dead=dead, result=result)
-        with database.connection() as own, own.transaction(), bind(own):
-            return self._finish_in(broker, own, message, dead=dead, result=result)
+
+        def write() -> str:
+            with database.connection() as own, own.transaction(), bind(own):
+                return self._finish_in(broker, own, message, dead=dead, result=result)
+
+        what = f"workflow {message.options[WORKFLOW_OPTION]!r}: marking step {message.message_id!r}"
+        return write_until(write, timeout_ms=self.write_timeout_ms, what=what)
 
     def _finish_in(
         self, broker: Broker, conn: psycopg.Connection[Any], message: Any, *, dead: bool, result: Any
