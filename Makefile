@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-.PHONY: install demo test test-alt lint typing docs bench clean
+.PHONY: install demo test test-alt test-pooler lint typing docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,14 @@ test-alt: install
 	rabbitmqctl -q set_permissions -p dr_alt guest '.*' '.*' '.*'
 	DATABASE_URL="$(ALT_DATABASE_URL)" RABBITMQ_URL="$(ALT_RABBITMQ_URL)" $(BIN)/pytest -q -m "not partition and not cluster" \
 	  --durations=10 tests/integration
+
+# The integration tests through a real PgBouncer in transaction mode (docs/testing.md): the
+# session starts Debian's pgbouncer on the first free port of 6440-6449 in front of DATABASE_URL's
+# server and every test's `database_url` goes through it; `direct_database_url` (LISTEN, the
+# tests' own bookkeeping) stays direct, and tests marked `needs_session` are skipped.  Opt-in:
+# not yet green, so CI does not run it (the failing list is in docs/testing.md).
+test-pooler: install
+	THROUGH_PGBOUNCER=1 $(BIN)/pytest -q -m "not partition and not cluster" --durations=10 tests/integration
 
 $(VENV)/.docs-installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[docs]'
