@@ -68,6 +68,28 @@ def test_the_web_pages_read_pool_prepares_nothing_so_it_works_behind_the_pooler(
         reads.close()
 
 
+def test_the_web_pages_statement_timeout_bounds_its_reads_behind_the_pooler_and_stays_with_them(pgbouncer_url):
+    # PgBouncer refuses libpq's ``options`` (or, told to ignore it as here, drops it), so the
+    # page's bound cannot ride on the connection: each borrow sets it for its own transaction.
+    from dramatiq_reliable.web.pools import ReadPool
+
+    reads = ReadPool(pgbouncer_url, statement_timeout_ms=300)
+    try:
+        for borrow in (reads.get().connection, reads.get().autocommit):
+            with pytest.raises(psycopg.errors.QueryCanceled), borrow() as conn:
+                conn.execute("SELECT pg_sleep(5)")
+            with borrow() as conn:
+                assert conn.execute("SHOW statement_timeout").fetchone() == ("300ms",)
+                with conn.transaction():  # what the library runs inside nests, still bounded
+                    assert conn.execute("SHOW statement_timeout").fetchone() == ("300ms",)
+        # Nothing stays on the server processes that other clients of the pooler get next.
+        with psycopg.connect(pgbouncer_url, autocommit=True) as other:
+            for _ in range(12):
+                assert other.execute("SHOW statement_timeout").fetchone() == ("0",)
+    finally:
+        reads.close()
+
+
 def test_directly_statements_are_still_prepared(direct_database_url):
     direct = Database(url=direct_database_url, max_size=1)
     try:
