@@ -74,7 +74,7 @@ def test_rollback_delivers_nothing(broker, queue_name, rabbit, db, db_schema):
 def test_send_on_an_app_connection_commits_with_the_app_writes(broker, queue_name, database_url, db, db_schema):
     task = _actor(broker, queue_name)
     with psycopg.connect(database_url) as conn:
-        conn.execute("CREATE TEMP TABLE orders (id int)")
+        conn.execute("CREATE TEMP TABLE orders (id int) ON COMMIT DROP")
         with bind(conn):
             conn.execute("INSERT INTO orders VALUES (1)")
             task.send(1)
