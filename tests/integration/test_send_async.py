@@ -327,6 +327,9 @@ def _backends(db: psycopg.Connection[Any], application_name: str) -> int:
     return int(row.fetchone()[0])  # type: ignore[index]
 
 
+@pytest.mark.needs_session(
+    "counts the pool's server processes in pg_stat_activity; PgBouncer keeps them after the client closes"
+)
 @pytest.mark.parametrize("closing", ["aclose", "close_after_the_loop_ended"])
 def test_the_async_pool_is_closed_by_aclose_and_by_close(
     closing: str, database_url: str, db_schema: str, db: psycopg.Connection[Any]
@@ -406,6 +409,9 @@ def test_an_async_actor_writes_and_sends_in_its_jobs_transaction_once(
     assert db.execute(keys, (task.actor_name,)).fetchone() == (1,), "one key, committed by the second attempt"
 
 
+@pytest.mark.needs_session(
+    "counts the pool's server processes in pg_stat_activity; PgBouncer keeps them after the client closes"
+)
 def test_an_async_actor_with_nothing_bound_sends_on_the_workers_sync_pool(
     database_url: str, db_schema: str, db: psycopg.Connection[Any], queue_name: str
 ) -> None:
