@@ -27,6 +27,7 @@ from typing import Any
 
 import psycopg
 from psycopg import conninfo as _conninfo
+from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from .. import _sql
@@ -128,7 +129,7 @@ class _Reads(Database):
                 yield conn
                 return
             conn.autocommit = False
-            conn.execute(_sql.query("web_read_timeout", _sql.DEFAULT_SCHEMA), {"timeout_ms": str(self._timeout_ms)})
+            conn.execute(sql.SQL(_sql.read("web_read_timeout")).format(timeout_ms=sql.Literal(self._timeout_ms)))
             try:
                 yield conn
             except BaseException:

@@ -83,7 +83,7 @@ def test_the_web_pages_statement_timeout_bounds_its_reads_behind_the_pooler_and_
                 with conn.transaction():  # what the library runs inside nests, still bounded
                     assert conn.execute("SHOW statement_timeout").fetchone() == ("300ms",)
         # Nothing stays on the server processes that other clients of the pooler get next.
-        with psycopg.connect(pgbouncer_url, autocommit=True) as other:
+        with psycopg.connect(pgbouncer_url, autocommit=True, prepare_threshold=None) as other:
             for _ in range(12):
                 assert other.execute("SHOW statement_timeout").fetchone() == ("0",)
     finally:
