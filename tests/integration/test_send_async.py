@@ -197,10 +197,11 @@ def test_an_async_connection_whose_transaction_failed_is_refused(
 
 
 def test_an_async_connection_to_another_database_is_refused(
-    row_broker: Any, database_url: str, db: psycopg.Connection[Any]
+    row_broker: Any, direct_database_url: str, db: psycopg.Connection[Any]
 ) -> None:
     task = _actor(row_broker)
-    other = psycopg.conninfo.make_conninfo(database_url, dbname="template1")
+    # Directly: a pooler would keep a server connection to template1, and CREATE DATABASE copies it.
+    other = psycopg.conninfo.make_conninfo(direct_database_url, dbname="template1")
 
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(other) as conn, bind(conn):

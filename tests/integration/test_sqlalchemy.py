@@ -358,9 +358,10 @@ def test_undo_stops_the_auto_binding(maker, actor, row_broker, db, db_schema):
 
 
 def test_a_session_on_several_engines_joins_the_one_of_the_brokers_database(
-    engine, actor, row_broker, db, db_schema, database_url
+    engine, actor, row_broker, db, db_schema, direct_database_url
 ):
-    elsewhere = sa.create_engine(sa_url(database_url).rsplit("/", 1)[0] + "/template1")
+    # Directly: a pooler would keep a server connection to template1, and CREATE DATABASE copies it.
+    elsewhere = sa.create_engine(sa_url(direct_database_url).rsplit("/", 1)[0] + "/template1")
     with Session(binds={Order: engine, sa.table("other"): elsewhere}) as session:
         undo = bind_sessions(session)
         try:
