@@ -57,7 +57,7 @@ test-alt: install
 # session starts Debian's pgbouncer on the first free port of 6440-6449 in front of DATABASE_URL's
 # server and every test's `database_url` goes through it; `direct_database_url` (LISTEN, the
 # tests' own bookkeeping) stays direct, and tests marked `needs_session` are skipped.  Opt-in:
-# not yet green, so CI does not run it (the failing list is in docs/testing.md).
+# CI does not run it yet.
 test-pooler: install
 	THROUGH_PGBOUNCER=1 $(BIN)/pytest -q -m "not partition and not cluster" --durations=10 tests/integration
 
