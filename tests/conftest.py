@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,6 +37,12 @@ from dramatiq_reliable import OutboxBroker, PostgresBroker, events, schema
 from dramatiq_reliable._util import rabbitmq_reason, redact
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+#: THROUGH_PGBOUNCER=1 (``make test-alt`` sets it): every test's ``database_url`` goes through one
+#: PgBouncer in transaction mode started by the session; ``direct_database_url`` stays direct.
+THROUGH_PGBOUNCER = os.environ.get("THROUGH_PGBOUNCER", "") == "1"
+#: The loopback ports the session's PgBouncer may take (the first free one), so a pooler left
+#: running by a killed run is easy to find.
+PGBOUNCER_PORTS = range(6440, 6450)
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -123,6 +130,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(getattr(pytest.mark, kind))
         if _NODE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
+        session = item.get_closest_marker("needs_session")
+        if THROUGH_PGBOUNCER and session is not None:
+            # Listed in docs/testing.md: what the test exercises is the session itself.
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs a Postgres session, not a transaction pooler: {session.args[0]}")
+            )
     for item in items:
         for fixture, service in SERVICES.items():
             if fixture in getattr(item, "fixturenames", ()) and not service.check():
@@ -234,10 +247,12 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test marked ``pooler`` runs twice: on Postgres directly and through a PgBouncer in
-    transaction mode (its ``database_url`` is then the pooler's; tests/pgbouncer.py)."""
+    transaction mode (its ``database_url`` is then the pooler's; tests/pgbouncer.py).  With
+    THROUGH_PGBOUNCER=1 every test already runs through the pooler: once is enough."""
     fixtures = metafunc.fixturenames
     if (
-        metafunc.definition.get_closest_marker("pooler")
+        not THROUGH_PGBOUNCER
+        and metafunc.definition.get_closest_marker("pooler")
         and "database_url" in fixtures
         and "pgbouncer_url" not in fixtures
     ):
@@ -245,15 +260,28 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="session")
+def direct_database_url() -> str:
+    """Postgres itself, never through a pooler: for what needs a session (``LISTEN``, a lock the
+    test holds, a backend it kills) and for ``listen_database=``."""
+    service = SERVICES["database_url"]
+    if not service.check():
+        _unavailable(service)
+    return service.url
+
+
+@pytest.fixture(scope="session")
+def listen_url(direct_database_url: str) -> str | None:
+    """What a relay or ``PostgresBroker`` a test builds gets as ``listen_database=``: the direct
+    URL through the pooler (as production.md tells users), None directly (it listens on ``database``)."""
+    return direct_database_url if THROUGH_PGBOUNCER else None
+
+
+@pytest.fixture(scope="session")
 def database_url(request: pytest.FixtureRequest) -> str:
     service = SERVICES["database_url"]
     if not service.check():
         _unavailable(service)
-    # THROUGH_PGBOUNCER=1 sends every test through the pooler (an opt-in sweep, not run in CI).
-    if (
-        getattr(request, "param", "pgbouncer" if os.environ.get("THROUGH_PGBOUNCER") == "1" else "direct")
-        == "pgbouncer"
-    ):
+    if getattr(request, "param", "pgbouncer" if THROUGH_PGBOUNCER else "direct") == "pgbouncer":
         return str(request.getfixturevalue("pgbouncer_url"))
     return service.url
 
@@ -264,8 +292,41 @@ def pgbouncer_url() -> Iterator[str]:
     service = SERVICES["database_url"]
     if not service.check():
         _unavailable(service)
-    with pgbouncer.pgbouncer(service.url, pool_size=10) as url:
-        yield url
+    ports = PGBOUNCER_PORTS if THROUGH_PGBOUNCER else None
+    with pgbouncer.pgbouncer(
+        service.url, pool_size=10, ports=ports, max_client_conn=500 if THROUGH_PGBOUNCER else 50
+    ) as url:
+        if not THROUGH_PGBOUNCER:
+            yield url
+            return
+        with _unprepared_test_connections():
+            yield url
+
+
+@contextlib.contextmanager
+def _unprepared_test_connections() -> Iterator[None]:
+    """Connections the tests open themselves (``psycopg.connect`` called from a file under
+    ``tests/``) prepare no statements: behind the pooler a prepared statement of the test's own
+    would break the test, not the library.  The library's connections are left as they are, so a
+    part of it that prepares behind the pooler still fails."""
+    connect = psycopg.Connection.connect.__func__
+    tests_folder = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+    def unprepared(cls: type[psycopg.Connection[Any]], *args: Any, **kwargs: Any) -> psycopg.Connection[Any]:
+        conn = connect(cls, *args, **kwargs)
+        if sys._getframe(1).f_code.co_filename.startswith(tests_folder) and "prepare_threshold" not in kwargs:
+            conn.prepare_threshold = None
+        return conn
+
+    patched = classmethod(unprepared)
+    original = psycopg.Connection.__dict__["connect"]
+    psycopg.Connection.connect = patched
+    psycopg.connect = psycopg.Connection.connect
+    try:
+        yield
+    finally:
+        psycopg.Connection.connect = original
+        psycopg.connect = psycopg.Connection.connect
 
 
 @pytest.fixture(scope="session")
@@ -331,9 +392,10 @@ def db_schema(unmigrated_schema: str, database_url: str) -> str:
 
 
 @pytest.fixture
-def db(database_url: str) -> Iterator[psycopg.Connection[Any]]:
-    """An autocommit connection for assertions."""
-    with psycopg.connect(database_url, autocommit=True) as conn:
+def db(direct_database_url: str) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection for assertions, directly on Postgres (never through the pooler:
+    what a test checks or sets up for itself is not what the library does through it)."""
+    with psycopg.connect(direct_database_url, autocommit=True) as conn:
         yield conn
 
 
@@ -380,9 +442,9 @@ def queue_name(rabbitmq_url: str, queues: QueueJanitor) -> str:
 
 
 @pytest.fixture
-def pg_broker(database_url: str, db_schema: str) -> Iterator[PostgresBroker]:
+def pg_broker(database_url: str, db_schema: str, listen_url: str | None) -> Iterator[PostgresBroker]:
     """A PostgresBroker on the test's schema (a module may define its own, with other options)."""
-    broker = PostgresBroker(database=database_url, schema=db_schema)
+    broker = PostgresBroker(database=database_url, schema=db_schema, listen_database=listen_url)
     yield broker
     broker.close()
 

@@ -45,16 +45,24 @@ def _quoted(text: str) -> str:
 
 
 @contextlib.contextmanager
-def pgbouncer(database_url: str, *, pool_mode: str = "transaction", pool_size: int = 4) -> Iterator[str]:
+def pgbouncer(
+    database_url: str,
+    *,
+    pool_mode: str = "transaction",
+    pool_size: int = 4,
+    ports: range | None = None,
+    max_client_conn: int = 50,
+) -> Iterator[str]:
     """Run PgBouncer in ``pool_mode`` before ``database_url``'s server; yield the URL through it.
 
-    Stopped (and its folder removed) after, even when the test fails.
+    On the first free port of ``ports`` (any free loopback port when None).  Stopped (and its
+    folder removed) after, even when the test fails.
     """
     host, port = server_address(database_url)
     parts = urlsplit(database_url)
     user = unquote(parts.username or "postgres")
     password = unquote(parts.password or "")
-    listen = closed_port()
+    listen = closed_port() if ports is None else _free_port(ports)
     folder = tempfile.mkdtemp(prefix="pgbouncer-")
     os.chmod(folder, 0o755)
     config = os.path.join(folder, "pgbouncer.ini")
@@ -68,7 +76,7 @@ def pgbouncer(database_url: str, *, pool_mode: str = "transaction", pool_size: i
             "[pgbouncer]\n"
             f"listen_addr = 127.0.0.1\nlisten_port = {listen}\nunix_socket_dir =\n"
             f"auth_type = trust\nauth_file = {users}\n"
-            f"pool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 50\n"
+            f"pool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = {max_client_conn}\n"
             # psycopg and libpq send these; PgBouncer refuses unknown startup parameters otherwise.
             "ignore_startup_parameters = extra_float_digits,options\n"
         )
@@ -94,6 +102,20 @@ def pgbouncer(database_url: str, *, pool_mode: str = "transaction", pool_size: i
             process.wait()
         log.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _free_port(ports: range) -> int:
+    for port in ports:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(
+        f"no free loopback port for pgbouncer in {ports.start}-{ports.stop - 1}; "
+        "stop the pgbouncer a killed test run left there (ps -C pgbouncer)"
+    )
 
 
 def _wait_ready(process: subprocess.Popen[bytes], url: str, port: int, log: IO[bytes]) -> None:

@@ -42,6 +42,17 @@ def closed_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def server_pid(conn: psycopg.Connection[Any]) -> int:
+    """The Postgres server process ``conn``'s open transaction runs on, to terminate it.
+
+    Not ``conn.info.backend_pid``: behind PgBouncer that is the pooler's own number, and the
+    server process changes between transactions; inside one it stays, so ask the server.
+    """
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def server_address(url: str) -> tuple[str, int]:
     """The ``(host, port)`` a Postgres or AMQP URL (or a libpq ``key=value`` string) connects to."""
     if "://" not in url:

@@ -9,7 +9,9 @@ repeatable-read snapshot ``show_job`` uses when handed a connection inside a tra
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -33,6 +35,20 @@ class JobDetail:
     dead_letter_id: int | None
 
 
+@contextlib.contextmanager
+def _snapshot(conn: psycopg.Connection[Any], schema: str) -> Iterator[None]:
+    """One snapshot for every read of the page.  A connection already in a transaction that has
+    read nothing yet (the web page's read pool behind a transaction pooler begins each borrow
+    with ``SET LOCAL statement_timeout``) takes it there: a savepoint could not set it."""
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        conn.execute(_sql.query("jobs_snapshot", schema))
+        yield
+        return
+    with conn.transaction():
+        conn.execute(_sql.query("jobs_snapshot", schema))
+        yield
+
+
 def job_detail(database: Database, schema: str, id: str) -> JobDetail:
     """:func:`show_job` of ``id`` (a message id or an idempotency key), with its cancellation and dead letter.
 
@@ -40,8 +56,7 @@ def job_detail(database: Database, schema: str, id: str) -> JobDetail:
     table knows, ``SchemaNotReady`` before the jobs migration.  Reads only.
     """
     schema = _sql.validate_schema(schema)
-    with database.autocommit() as conn, conn.transaction():
-        conn.execute(_sql.query("jobs_snapshot", schema))
+    with database.autocommit() as conn, _snapshot(conn, schema):
         status = show_job(conn, schema, id)
         cancellation = get_cancellation(conn, schema, status.message_id) if status.state == "cancelled" else None
         dead_letter_id = _dead_letter_id(conn, schema, status.message_id) if status.state == "dead" else None

@@ -74,7 +74,9 @@ def sqlalchemy_url(database_url: str) -> str:
 def create_shop(database_url: str, *, schema: str = "shop", stock: dict[str, int] | None = None) -> Shop:
     """Build the app on ``schema`` (our tables and the shop's, created if missing), with its stock."""
     migrate(database_url, schema=schema)
-    engine = sa.create_engine(sqlalchemy_url(database_url), connect_args={"options": f"-c search_path={schema}"})
+    # The shop's tables live in ``schema``, named in every statement (schema_translate_map): a
+    # search_path in libpq options would be refused or dropped by PgBouncer in front of Postgres.
+    engine = sa.create_engine(sqlalchemy_url(database_url)).execution_options(schema_translate_map={None: schema})
     Base.metadata.create_all(engine)
     # on_unbound="error": a send outside a session transaction is a bug here, not an autocommit.
     broker = PostgresBroker(database=database_url, schema=schema, on_unbound="error")

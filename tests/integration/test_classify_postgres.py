@@ -185,10 +185,12 @@ CASES = [
 
 
 @pytest.fixture
-def pg(database_url: str, unmigrated_schema: str) -> Pg:
-    with psycopg.connect(database_url, autocommit=True) as conn:
+def pg(direct_database_url: str, unmigrated_schema: str) -> Pg:
+    # Directly on Postgres: the errors are made with session state (a TEMP table, SET
+    # statement_timeout) that behind a transaction pooler would stay on a shared server process.
+    with psycopg.connect(direct_database_url, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(unmigrated_schema)))
-    return Pg(database_url, unmigrated_schema)
+    return Pg(direct_database_url, unmigrated_schema)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)

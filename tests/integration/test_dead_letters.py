@@ -333,8 +333,9 @@ def test_a_redelivered_message_that_dies_again_refreshes_its_row_instead_of_addi
     assert row["error_message"] == "again" and row["first_failed_at"] == first.first_failed_at
 
 
-def test_every_new_dead_letter_is_announced_on_the_schema_channel(broker, database_url, db_schema):
-    with psycopg.connect(database_url, autocommit=True) as listener:
+def test_every_new_dead_letter_is_announced_on_the_schema_channel(broker, direct_database_url, db_schema):
+    # The test listens directly (LISTEN needs a session); the capture's NOTIFY goes through the pooler.
+    with psycopg.connect(direct_database_url, autocommit=True) as listener:
         listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(notify_channel(db_schema))))
         stored = _capture(broker, actor_name="charge_card")
         [note] = list(listener.notifies(timeout=5, stop_after=1))

@@ -25,6 +25,10 @@ pytestmark = pytest.mark.integration
 _HEALTHY = {"idle_in_transaction_session_timeout": "600000"}
 
 
+# Every test builds the deployment it checks (settings through libpq ``options``, a PgBouncer of
+# its own in either mode) on Postgres itself: ``direct_database_url``, also under THROUGH_PGBOUNCER=1.
+
+
 def with_settings(url: str, **settings: str) -> str:
     """``url`` whose sessions start with ``settings`` (libpq's ``options=-c name=value``)."""
     options = " ".join(f"-c {name}={value}" for name, value in settings.items())
@@ -36,8 +40,8 @@ def by_check(findings: list[Finding]) -> dict[str, Finding]:
 
 
 @pytest.fixture
-def healthy_url(database_url: str) -> str:
-    return with_settings(database_url, **_HEALTHY)
+def healthy_url(direct_database_url: str) -> str:
+    return with_settings(direct_database_url, **_HEALTHY)
 
 
 def _outbox_row(db: psycopg.Connection[Any], schema_name: str, **times: str) -> None:
@@ -75,9 +79,9 @@ def test_the_indexes_expected_are_exactly_those_the_migrations_create(
 
 
 def test_a_schema_behind_the_package_is_a_problem_naming_migrate(
-    healthy_url: str, database_url: str, unmigrated_schema: str
+    healthy_url: str, direct_database_url: str, unmigrated_schema: str
 ) -> None:
-    with psycopg.connect(database_url) as conn, conn.transaction():
+    with psycopg.connect(direct_database_url) as conn, conn.transaction():
         conn.execute(_sql.query("schema_header", unmigrated_schema))
         for migration in schema.migrations()[:10]:
             conn.execute(_sql.compose(migration.text, unmigrated_schema))
@@ -195,10 +199,10 @@ def test_a_delay_or_job_longer_than_consumer_timeout_is_a_problem(
 
 
 def test_a_transaction_open_longer_than_consumer_timeout_is_a_job_too_long(
-    healthy_url: str, database_url: str, db_schema: str
+    healthy_url: str, direct_database_url: str, db_schema: str
 ) -> None:
     """A transactional job is an open transaction for its whole run: the doctor sees it running."""
-    with psycopg.connect(database_url) as job:
+    with psycopg.connect(direct_database_url) as job:
         job.execute("SELECT 1")  # opens the transaction and leaves it open, as a running job does
 
         def too_long() -> Finding | None:
@@ -222,26 +226,28 @@ def test_a_clock_off_from_postgres_is_found(healthy_url: str, db_schema: str) ->
     assert "behind this host's" in early.summary
 
 
-def test_timeouts_that_cut_our_work_or_never_end_a_stuck_job(database_url: str, db_schema: str) -> None:
-    short = with_settings(database_url, statement_timeout="50", idle_in_transaction_session_timeout="600000")
+def test_timeouts_that_cut_our_work_or_never_end_a_stuck_job(direct_database_url: str, db_schema: str) -> None:
+    short = with_settings(direct_database_url, statement_timeout="50", idle_in_transaction_session_timeout="600000")
     finding = by_check(diagnose(short, schema_name=db_schema))["timeouts"]
     assert finding.severity == "fail"
     assert finding.summary.startswith("statement_timeout is 50 ms")
     # The doctor's own reads ran under its own bound, not the 50 ms it reports.
     assert all(f.severity == "ok" for f in diagnose(short, schema_name=db_schema) if f.check != "timeouts")
 
-    idle = with_settings(database_url, idle_in_transaction_session_timeout="60000")
+    idle = with_settings(direct_database_url, idle_in_transaction_session_timeout="60000")
     finding = by_check(diagnose(idle, schema_name=db_schema, longest_job_ms=3_600_000))["timeouts"]
     assert finding.severity == "fail"
     assert "shorter than the longest job (3600000 ms)" in finding.summary
 
-    never = by_check(diagnose(database_url, schema_name=db_schema))["timeouts"]
+    never = by_check(diagnose(direct_database_url, schema_name=db_schema))["timeouts"]
     assert never.severity == "warn"
     assert "idle_in_transaction_session_timeout is 0: a stuck job holds" in never.summary
 
 
-def test_pgbouncer_in_transaction_mode_is_found_and_every_check_still_runs(database_url: str, db_schema: str) -> None:
-    with pgbouncer(database_url) as pooled:
+def test_pgbouncer_in_transaction_mode_is_found_and_every_check_still_runs(
+    direct_database_url: str, db_schema: str
+) -> None:
+    with pgbouncer(direct_database_url) as pooled:
         findings = diagnose(pooled, schema_name=db_schema)
     found = by_check(findings)
     assert found["pooler"].severity == "warn"
@@ -251,17 +257,21 @@ def test_pgbouncer_in_transaction_mode_is_found_and_every_check_still_runs(datab
     assert {found[name].severity for name in ("schema", "indexes", "relay", "clock")} == {"ok"}
 
 
-def test_a_session_pooler_is_no_finding(database_url: str, db_schema: str) -> None:
-    with pgbouncer(database_url, pool_mode="session") as pooled:
+def test_a_session_pooler_is_no_finding(direct_database_url: str, db_schema: str) -> None:
+    with pgbouncer(direct_database_url, pool_mode="session") as pooled:
         finding = by_check(diagnose(pooled, schema_name=db_schema))["pooler"]
     assert (finding.severity, finding.details["pool_mode"]) == ("ok", "session")
 
 
-def test_services_that_cannot_be_reached_are_findings(database_url: str, rabbitmq_url: str, db_schema: str) -> None:
-    down = diagnose(proxied(database_url, closed_port()), schema_name=db_schema, rabbitmq_url=rabbitmq_url)
+def test_services_that_cannot_be_reached_are_findings(
+    direct_database_url: str, rabbitmq_url: str, db_schema: str
+) -> None:
+    down = diagnose(proxied(direct_database_url, closed_port()), schema_name=db_schema, rabbitmq_url=rabbitmq_url)
     assert [(f.check, f.severity) for f in down] == [("postgres", "fail"), ("rabbitmq", "ok")]
     assert down[0].summary.startswith("cannot reach Postgres")
-    rabbit = by_check(diagnose(database_url, schema_name=db_schema, rabbitmq_url=proxied(rabbitmq_url, closed_port())))
+    rabbit = by_check(
+        diagnose(direct_database_url, schema_name=db_schema, rabbitmq_url=proxied(rabbitmq_url, closed_port()))
+    )
     assert rabbit["rabbitmq"].severity == "fail"
     assert rabbit["rabbitmq"].summary.startswith("cannot reach RabbitMQ")
 
@@ -276,16 +286,16 @@ def run(capsys: pytest.CaptureFixture[str]) -> Any:
 
 
 def test_cli_exit_codes_and_json(
-    run: Any, healthy_url: str, database_url: str, rabbitmq_url: str, db: psycopg.Connection[Any], db_schema: str
+    run: Any, healthy_url: str, direct_database_url: str, rabbitmq_url: str, db: psycopg.Connection[Any], db_schema: str
 ) -> None:
     common = ["--schema", db_schema, "--rabbitmq-url", rabbitmq_url]
     code, out = run("--database-url", healthy_url, *common)
     assert code == ExitCode.OK, out
     assert out.rstrip().endswith("no problems found")
-    code, out = run("--database-url", database_url, *common)
+    code, out = run("--database-url", direct_database_url, *common)
     assert code == ExitCode.OK  # the idle-in-transaction warning alone
     assert "fix timeouts: set idle_in_transaction_session_timeout" in out
-    assert run("--database-url", database_url, "--strict", *common)[0] == ExitCode.CHECK_FAILED
+    assert run("--database-url", direct_database_url, "--strict", *common)[0] == ExitCode.CHECK_FAILED
 
     _outbox_row(db, db_schema, available_at="now() - interval '1 hour'")
     code, out = run("--database-url", healthy_url, "--json", *common)
@@ -296,5 +306,5 @@ def test_cli_exit_codes_and_json(
 
     code, _ = run("--database-url", healthy_url, "--schema", "never_migrated_here")
     assert code == ExitCode.SCHEMA
-    code, _ = run("--database-url", proxied(database_url, closed_port()), "--schema", db_schema)
+    code, _ = run("--database-url", proxied(direct_database_url, closed_port()), "--schema", db_schema)
     assert code == ExitCode.UNAVAILABLE

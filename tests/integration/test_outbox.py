@@ -74,7 +74,7 @@ def test_rollback_delivers_nothing(broker, queue_name, rabbit, db, db_schema):
 def test_send_on_an_app_connection_commits_with_the_app_writes(broker, queue_name, database_url, db, db_schema):
     task = _actor(broker, queue_name)
     with psycopg.connect(database_url) as conn:
-        conn.execute("CREATE TEMP TABLE orders (id int)")
+        conn.execute("CREATE TEMP TABLE orders (id int) ON COMMIT DROP")
         with bind(conn):
             conn.execute("INSERT INTO orders VALUES (1)")
             task.send(1)
@@ -267,11 +267,13 @@ def test_a_poison_row_records_its_error_and_does_not_block_the_others(broker, qu
     assert _rows(db, db_schema, "published_at IS NULL")[0][2] == 1
 
 
-def test_relay_listens_again_after_a_dropped_connection_and_hears_wake_ups(broker, queue_name, rabbit, db, monkeypatch):
+def test_relay_listens_again_after_a_dropped_connection_and_hears_wake_ups(
+    broker, queue_name, rabbit, db, monkeypatch, listen_url
+):
     # Idle sleeps of 5-10 minutes: only an explicit wake-up delivers within the timeouts below.
     monkeypatch.setattr(wake, "FIRST_IDLE_S", 600.0)
     task = _actor(broker, queue_name)
-    relay = Relay.from_broker(broker, poll_interval_ms=600_000)
+    relay = Relay.from_broker(broker, poll_interval_ms=600_000, listen_database=listen_url)
     with running(relay.run, relay.stop):
         wait_for(lambda: relay._listener is not None, message="relay never listened")
         pid = relay._listener.info.backend_pid

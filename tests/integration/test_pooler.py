@@ -29,8 +29,8 @@ def pooled(pgbouncer_url: str) -> Any:
     database.close()
 
 
-def test_the_pooler_is_detected_and_postgres_itself_is_not(pooled, database_url):
-    direct = Database(url=database_url, max_size=1)
+def test_the_pooler_is_detected_and_postgres_itself_is_not(pooled, direct_database_url):
+    direct = Database(url=direct_database_url, max_size=1)
     try:
         assert pooled.transaction_pooled() is True
         assert direct.transaction_pooled() is False
@@ -68,8 +68,30 @@ def test_the_web_pages_read_pool_prepares_nothing_so_it_works_behind_the_pooler(
         reads.close()
 
 
-def test_directly_statements_are_still_prepared(database_url):
-    direct = Database(url=database_url, max_size=1)
+def test_the_web_pages_statement_timeout_bounds_its_reads_behind_the_pooler_and_stays_with_them(pgbouncer_url):
+    # PgBouncer refuses libpq's ``options`` (or, told to ignore it as here, drops it), so the
+    # page's bound cannot ride on the connection: each borrow sets it for its own transaction.
+    from dramatiq_reliable.web.pools import ReadPool
+
+    reads = ReadPool(pgbouncer_url, statement_timeout_ms=300)
+    try:
+        for borrow in (reads.get().connection, reads.get().autocommit):
+            with pytest.raises(psycopg.errors.QueryCanceled), borrow() as conn:
+                conn.execute("SELECT pg_sleep(5)")
+            with borrow() as conn:
+                assert conn.execute("SHOW statement_timeout").fetchone() == ("300ms",)
+                with conn.transaction():  # what the library runs inside nests, still bounded
+                    assert conn.execute("SHOW statement_timeout").fetchone() == ("300ms",)
+        # Nothing stays on the server processes that other clients of the pooler get next.
+        with psycopg.connect(pgbouncer_url, autocommit=True, prepare_threshold=None) as other:
+            for _ in range(12):
+                assert other.execute("SHOW statement_timeout").fetchone() == ("0",)
+    finally:
+        reads.close()
+
+
+def test_directly_statements_are_still_prepared(direct_database_url):
+    direct = Database(url=direct_database_url, max_size=1)
     try:
         with direct.connection() as conn:
             assert conn.prepare_threshold == 5
@@ -105,13 +127,13 @@ def test_behind_the_pooler_the_relay_polls_says_so_once_and_publishes(
 
 
 def test_with_listen_database_the_relay_hears_wake_ups_on_the_direct_connection(
-    pgbouncer_url, database_url, db_schema, queue_name, rabbit, monkeypatch
+    pgbouncer_url, direct_database_url, db_schema, queue_name, rabbit, monkeypatch
 ):
     monkeypatch.setattr(wake, "FIRST_IDLE_S", 600.0)  # only a wake-up delivers within the timeout
     broker = OutboxBroker(database=pgbouncer_url, schema=db_schema, url=rabbit.url)
     try:
         task = _actor(broker, queue_name)
-        relay = Relay.from_broker(broker, poll_interval_ms=600_000, listen_database=database_url)
+        relay = Relay.from_broker(broker, poll_interval_ms=600_000, listen_database=direct_database_url)
         with running(relay.run, relay.stop):
             wait_for(lambda: (relay._sleeping_s or 0) > 60, message="relay never went to sleep")
             assert relay._listener is not None and relay._listener.info.port != psycopg.conninfo.conninfo_to_dict(
@@ -149,8 +171,10 @@ def test_behind_the_pooler_postgres_consumers_poll_without_a_listener(pgbouncer_
         broker.close()
 
 
-def test_with_listen_database_postgres_consumers_listen_directly(pgbouncer_url, database_url, db_schema, queue_name):
-    broker = PostgresBroker(database=pgbouncer_url, schema=db_schema, listen_database=database_url)
+def test_with_listen_database_postgres_consumers_listen_directly(
+    pgbouncer_url, direct_database_url, db_schema, queue_name
+):
+    broker = PostgresBroker(database=pgbouncer_url, schema=db_schema, listen_database=direct_database_url)
     try:
         assert _consume(broker, queue_name) == [7]
         wait_for(broker.listener.listening.is_set, message="the listener never listened on the direct URL")
@@ -163,21 +187,21 @@ def test_a_listen_database_through_the_pooler_is_refused_with_the_fix(pooled, pg
         listen_target(pooled, pgbouncer_url, who="outbox relay")
 
 
-def test_an_unreachable_listen_database_is_refused_without_its_password(pooled, database_url):
+def test_an_unreachable_listen_database_is_refused_without_its_password(pooled, direct_database_url):
     wrong = psycopg.conninfo.make_conninfo(
-        proxied(database_url, closed_port(), connect_timeout="2"), password="s3cret-pw"
+        proxied(direct_database_url, closed_port(), connect_timeout="2"), password="s3cret-pw"
     )
     with pytest.raises(ConfigurationError, match="cannot connect to listen_database=") as raised:
         listen_target(pooled, wrong, who="outbox relay")
     assert "s3cret-pw" not in str(raised.value)
 
 
-def test_a_listen_database_of_another_database_is_refused(pooled, database_url, db):
+def test_a_listen_database_of_another_database_is_refused(pooled, direct_database_url, db):
     name = f"dr_pooler_{uuid.uuid4().hex[:8]}"
     db.execute(f"DROP DATABASE IF EXISTS {name}")
     db.execute(f"CREATE DATABASE {name}")
     try:
-        other = psycopg.conninfo.make_conninfo(database_url, dbname=name)
+        other = psycopg.conninfo.make_conninfo(direct_database_url, dbname=name)
         with pytest.raises(ConfigurationError, match="notifications would never arrive"):
             listen_target(pooled, other, who="outbox relay")
     finally:

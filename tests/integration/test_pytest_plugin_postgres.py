@@ -91,6 +91,9 @@ def test_a_bound_autocommit_connection_is_refused_as_the_postgres_brokers_refuse
     assert_enqueued(ship, 4)
 
 
+@pytest.mark.needs_session(
+    "the plugin puts the test's schema on search_path with libpq options, which PgBouncer refuses or drops"
+)
 def test_job_connection_runs_under_the_real_idempotency_middleware(
     pytester: pytest.Pytester, database_url: str
 ) -> None:

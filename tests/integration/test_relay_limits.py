@@ -184,7 +184,7 @@ def test_send_refuses_bad_options_like_a_bad_payload_and_the_caller_can_still_co
 ):
     task = dramatiq.actor(lambda: None, actor_name=f"{queue_name}_a", queue_name=queue_name, broker=broker)
     with broker.transaction() as conn:
-        conn.execute("CREATE TEMP TABLE done (x int)")
+        conn.execute("CREATE TEMP TABLE done (x int) ON COMMIT DROP")
         with pytest.raises(PayloadError, match=fix):
             task.send_with_options(**options)
         conn.execute("INSERT INTO done VALUES (1)")

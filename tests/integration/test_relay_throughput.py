@@ -10,6 +10,7 @@ import dramatiq
 import pika
 import psycopg
 import pytest
+from support import server_pid
 
 from dramatiq_reliable import OutboxBroker, Relay, _sql, events
 from dramatiq_reliable.errors import BrokerUnavailable
@@ -170,7 +171,7 @@ def test_a_commit_that_fails_mid_drain_leaves_its_rows_for_a_later_pass_and_no_r
         calls.append(1)
         if len(calls) == 2:
             # The connection drops between the confirms and the marks.
-            db.execute("SELECT pg_terminate_backend(%s)", (self.conn.info.backend_pid,))
+            db.execute("SELECT pg_terminate_backend(%s)", (server_pid(self.conn),))
         finish(self, relay, outcome)
 
     monkeypatch.setattr(relay_module._Batch, "finish", failing_second)

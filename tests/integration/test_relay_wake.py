@@ -70,14 +70,14 @@ def test_migrating_a_version_5_schema_removes_the_old_notify_trigger(database_ur
 
 
 def test_code_that_lands_before_migration_6_still_sends_and_relays(
-    database_url, db, unmigrated_schema, queue_name, rabbit
+    database_url, db, unmigrated_schema, queue_name, rabbit, listen_url
 ):
     # Migration 6 only removes a cost: a deploy whose code runs before it must not refuse sends.
     _as_release_5_left_it(database_url, unmigrated_schema)
     broker = OutboxBroker(database=database_url, schema=unmigrated_schema, url=rabbit.url)
     try:
         task = _actor(broker, queue_name)
-        relay = Relay.from_broker(broker, poll_interval_ms=60_000)
+        relay = Relay.from_broker(broker, poll_interval_ms=60_000, listen_database=listen_url)
         with running(relay.run, relay.stop):
             wait_for(lambda: relay._sleeping_s is not None, message="relay never went idle")
             with broker.transaction():
@@ -90,11 +90,11 @@ def test_code_that_lands_before_migration_6_still_sends_and_relays(
 
 
 def test_an_idle_relay_picks_up_a_new_row_within_its_ceiling_without_any_notify(
-    broker, queue_name, rabbit, database_url, db_schema
+    broker, queue_name, rabbit, direct_database_url, db_schema
 ):
     task = _actor(broker, queue_name)
     relay = Relay.from_broker(broker, poll_interval_ms=300)
-    with psycopg.connect(database_url, autocommit=True) as listener, running(relay.run, relay.stop):
+    with psycopg.connect(direct_database_url, autocommit=True) as listener, running(relay.run, relay.stop):
         listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(wake.channel(db_schema))))
         # Idle long enough that its sleeps reached the ceiling (the upper half of 300 ms).
         wait_for(lambda: (relay._sleeping_s or 0) > 0.15, message="relay never backed off to its ceiling")
@@ -105,11 +105,11 @@ def test_an_idle_relay_picks_up_a_new_row_within_its_ceiling_without_any_notify(
         assert list(listener.notifies(timeout=0.05)) == []
 
 
-def test_wake_relays_ends_a_long_idle_sleep_at_once(broker, queue_name, rabbit, monkeypatch):
+def test_wake_relays_ends_a_long_idle_sleep_at_once(broker, queue_name, rabbit, monkeypatch, listen_url):
     # Every idle sleep is now 5-10 minutes: only the wake-up can deliver within the timeout below.
     monkeypatch.setattr(wake, "FIRST_IDLE_S", 600.0)
     task = _actor(broker, queue_name)
-    relay = Relay.from_broker(broker, poll_interval_ms=600_000)
+    relay = Relay.from_broker(broker, poll_interval_ms=600_000, listen_database=listen_url)
     with running(relay.run, relay.stop):
         wait_for(lambda: (relay._sleeping_s or 0) > 60, message="relay never went to sleep")
         with broker.transaction() as conn:
@@ -118,10 +118,12 @@ def test_wake_relays_ends_a_long_idle_sleep_at_once(broker, queue_name, rabbit, 
         wait_for(lambda: rabbit.count(queue_name) == 1, timeout_ms=10_000, message="wake_relays did not wake the relay")
 
 
-def test_a_wake_up_sent_outside_a_transaction_is_heard_too(broker, queue_name, rabbit, database_url, monkeypatch):
+def test_a_wake_up_sent_outside_a_transaction_is_heard_too(
+    broker, queue_name, rabbit, database_url, monkeypatch, listen_url
+):
     monkeypatch.setattr(wake, "FIRST_IDLE_S", 600.0)
     task = _actor(broker, queue_name)
-    relay = Relay.from_broker(broker, poll_interval_ms=600_000)
+    relay = Relay.from_broker(broker, poll_interval_ms=600_000, listen_database=listen_url)
     with running(relay.run, relay.stop):
         wait_for(lambda: (relay._sleeping_s or 0) > 60, message="relay never went to sleep")
         with broker.transaction():
@@ -151,9 +153,9 @@ def test_rows_locked_by_another_relay_do_not_make_an_idle_relay_spin(broker, que
 
 
 @pytest.fixture
-def wake_ups(database_url: str, db_schema: str) -> Any:
-    """A LISTEN connection on the relays' channel: ``wake_ups()`` returns what arrived since."""
-    with psycopg.connect(database_url, autocommit=True) as listener:
+def wake_ups(direct_database_url: str, db_schema: str) -> Any:
+    """A LISTEN connection on the relays' channel (directly: a session): ``wake_ups()`` returns what arrived since."""
+    with psycopg.connect(direct_database_url, autocommit=True) as listener:
         listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(wake.channel(db_schema))))
         yield lambda: list(listener.notifies(timeout=1.0, stop_after=1))
 

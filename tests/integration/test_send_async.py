@@ -197,10 +197,11 @@ def test_an_async_connection_whose_transaction_failed_is_refused(
 
 
 def test_an_async_connection_to_another_database_is_refused(
-    row_broker: Any, database_url: str, db: psycopg.Connection[Any]
+    row_broker: Any, direct_database_url: str, db: psycopg.Connection[Any]
 ) -> None:
     task = _actor(row_broker)
-    other = psycopg.conninfo.make_conninfo(database_url, dbname="template1")
+    # Directly: a pooler would keep a server connection to template1, and CREATE DATABASE copies it.
+    other = psycopg.conninfo.make_conninfo(direct_database_url, dbname="template1")
 
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(other) as conn, bind(conn):
@@ -327,6 +328,9 @@ def _backends(db: psycopg.Connection[Any], application_name: str) -> int:
     return int(row.fetchone()[0])  # type: ignore[index]
 
 
+@pytest.mark.needs_session(
+    "counts the pool's server processes in pg_stat_activity; PgBouncer keeps them after the client closes"
+)
 @pytest.mark.parametrize("closing", ["aclose", "close_after_the_loop_ended"])
 def test_the_async_pool_is_closed_by_aclose_and_by_close(
     closing: str, database_url: str, db_schema: str, db: psycopg.Connection[Any]
@@ -406,6 +410,9 @@ def test_an_async_actor_writes_and_sends_in_its_jobs_transaction_once(
     assert db.execute(keys, (task.actor_name,)).fetchone() == (1,), "one key, committed by the second attempt"
 
 
+@pytest.mark.needs_session(
+    "counts the pool's server processes in pg_stat_activity; PgBouncer keeps them after the client closes"
+)
 def test_an_async_actor_with_nothing_bound_sends_on_the_workers_sync_pool(
     database_url: str, db_schema: str, db: psycopg.Connection[Any], queue_name: str
 ) -> None:

@@ -249,7 +249,7 @@ def test_a_bad_key_or_window_is_refused_before_any_sql(
 ) -> None:
     task = _actor(row_broker)
     with row_broker.transaction() as conn:
-        conn.execute("CREATE TEMP TABLE business (x int)")
+        conn.execute("CREATE TEMP TABLE business (x int) ON COMMIT DROP")
         with pytest.raises(PayloadError, match=fix):
             task.send_with_options(**options)
         good = task.send_with_options(dedupe_key="fine")

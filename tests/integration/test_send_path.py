@@ -68,7 +68,7 @@ def test_a_bad_send_is_refused_before_any_sql_and_the_callers_transaction_commit
     name = f"sp_{uuid.uuid4().hex[:8]}"
     task = dramatiq.actor(lambda: None, actor_name=f"{name}_a", queue_name=name, broker=row_broker)
     with row_broker.transaction() as conn:
-        conn.execute("CREATE TEMP TABLE business (x int)")
+        conn.execute("CREATE TEMP TABLE business (x int) ON COMMIT DROP")
         conn.execute("INSERT INTO business VALUES (1)")
         with pytest.raises(PayloadError, match=fix):
             task.send_with_options(**options)

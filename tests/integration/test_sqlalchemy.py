@@ -56,9 +56,12 @@ def row_broker(request: pytest.FixtureRequest, database_url: str, rabbitmq_url: 
 
 @pytest.fixture
 def engine(database_url: str, db_schema: str) -> Iterator[sa.Engine]:
-    """An engine whose connections see the test's schema first (the orders table lives there)."""
-    engine = sa.create_engine(
-        sa_url(database_url), connect_args={"options": f"-c search_path={db_schema}"}, pool_size=2
+    """An engine whose tables live in the test's schema (the orders table lives there).
+
+    Mapped there per statement (``schema_translate_map``), not with ``search_path``: a setting of
+    the connection does not follow it through a transaction pooler."""
+    engine = sa.create_engine(sa_url(database_url), pool_size=2).execution_options(
+        schema_translate_map={None: db_schema}
     )
     Base.metadata.create_all(engine)
     yield engine
@@ -355,9 +358,10 @@ def test_undo_stops_the_auto_binding(maker, actor, row_broker, db, db_schema):
 
 
 def test_a_session_on_several_engines_joins_the_one_of_the_brokers_database(
-    engine, actor, row_broker, db, db_schema, database_url
+    engine, actor, row_broker, db, db_schema, direct_database_url
 ):
-    elsewhere = sa.create_engine(sa_url(database_url).rsplit("/", 1)[0] + "/template1")
+    # Directly: a pooler would keep a server connection to template1, and CREATE DATABASE copies it.
+    elsewhere = sa.create_engine(sa_url(direct_database_url).rsplit("/", 1)[0] + "/template1")
     with Session(binds={Order: engine, sa.table("other"): elsewhere}) as session:
         undo = bind_sessions(session)
         try:

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def tables(database_url: str, db_schema: str) -> str:
-    engine = sa.create_engine(sa_url(database_url), connect_args={"options": f"-c search_path={db_schema}"})
+    engine = sa.create_engine(sa_url(database_url)).execution_options(schema_translate_map={None: db_schema})
     Base.metadata.create_all(engine)
     engine.dispose()
     return db_schema
@@ -38,7 +38,8 @@ def run(database_url: str, schema: str, body: Any) -> Any:
     """Run ``body(maker)`` on an event loop with an async engine on the test's schema."""
 
     async def main() -> Any:
-        engine = create_async_engine(sa_url(database_url), connect_args={"options": f"-c search_path={schema}"})
+        # The schema per statement, not search_path: a connection's setting does not follow it through a pooler.
+        engine = create_async_engine(sa_url(database_url)).execution_options(schema_translate_map={None: schema})
         try:
             return await body(async_sessionmaker(engine))
         finally:
@@ -47,9 +48,10 @@ def run(database_url: str, schema: str, body: Any) -> Any:
     return asyncio.run(main())
 
 
-async def insert(conn: psycopg.AsyncConnection[Any], order_id: int) -> None:
+async def insert(conn: psycopg.AsyncConnection[Any], order_id: int, schema: str) -> None:
     """What an async send does on the bound connection: one statement, no commit."""
-    await conn.execute("INSERT INTO orders (id) VALUES (%s)", (order_id,))
+    orders_table = psycopg.sql.Identifier(schema, "orders")
+    await conn.execute(psycopg.sql.SQL("INSERT INTO {} (id) VALUES (%s)").format(orders_table), (order_id,))
 
 
 def test_an_async_session_binds_its_psycopg_async_connection_and_commits_with_it(database_url, tables, db):
@@ -60,11 +62,11 @@ def test_an_async_session_binds_its_psycopg_async_connection_and_commits_with_it
                 assert bound_connection() is None
                 raw = await (await session.connection()).get_raw_connection()
                 assert conn is raw.driver_connection
-                await insert(conn, 1)
+                await insert(conn, 1, tables)
             assert bound_async_connection() is None
             await session.commit()
             async with bind(session) as conn:
-                await insert(conn, 2)
+                await insert(conn, 2, tables)
             await session.rollback()
 
     run(database_url, tables, body)
@@ -75,7 +77,7 @@ def test_an_async_session_closed_without_commit_keeps_nothing(database_url, tabl
     async def body(maker: async_sessionmaker[AsyncSession]) -> None:
         session = maker()
         async with bind(session) as conn:
-            await insert(conn, 1)
+            await insert(conn, 1, tables)
         await session.close()
 
     run(database_url, tables, body)
@@ -85,12 +87,12 @@ def test_an_async_session_closed_without_commit_keeps_nothing(database_url, tabl
 def test_an_async_savepoint_rolled_back_removes_only_what_was_written_inside_it(database_url, tables, db):
     async def body(maker: async_sessionmaker[AsyncSession]) -> None:
         async with maker() as session, bind(session) as conn:
-            await insert(conn, 1)
+            await insert(conn, 1, tables)
             nested = await session.begin_nested()
-            await insert(conn, 2)
+            await insert(conn, 2, tables)
             await nested.rollback()
             async with session.begin_nested():
-                await insert(conn, 3)
+                await insert(conn, 3, tables)
             await session.commit()
 
     run(database_url, tables, body)
@@ -101,10 +103,10 @@ def test_an_async_connection_and_an_async_scoped_session_bind_too(database_url, 
     async def body(maker: async_sessionmaker[AsyncSession]) -> None:
         engine = maker.kw["bind"]
         async with engine.connect() as connection, connection.begin(), bind(connection) as conn:
-            await insert(conn, 1)
+            await insert(conn, 1, tables)
         scoped = async_scoped_session(maker, scopefunc=asyncio.current_task)
         async with bind(scoped) as conn:
-            await insert(conn, 2)
+            await insert(conn, 2, tables)
         await scoped.commit()
         await scoped.remove()
 

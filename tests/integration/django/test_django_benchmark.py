@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.needs_session(
+        "the benchmark's Django test runner creates and drops a database, which PgBouncer's idle connections hold"
+    ),
+]
 
 BENCHMARK = Path(__file__).resolve().parents[3] / "benchmarks" / "native_django.py"
 

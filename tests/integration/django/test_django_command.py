@@ -17,7 +17,10 @@ from psycopg import sql
 
 from dramatiq_reliable.testing import wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.needs_session("creates its database from template1, which PgBouncer's idle connections hold"),
+]
 
 _PLACE_ORDER = """
 from django.db import transaction
