@@ -44,6 +44,41 @@ the key is not known to be held, so skipping or buffering would drop work.  The 
 keep their flush: a buffered message, clearing it, the heartbeat's renewals and the
 quarantine.  The release was already unflushed (a lost release leaves a lease that lapses).
 
+The key in the job's own transaction.  When the actor runs under transactional ``Idempotency``
+(ordered after this middleware, on the same database and schema) and its ``when_held`` is not
+``"buffer"``, the run takes no autocommit lease: right after Idempotency claims the job's key,
+in the same transaction, it locks the key's row (``FOR UPDATE SKIP LOCKED``, only a row that is
+free: ``expires_at`` in the past) and writes a new token into it, leaving ``expires_at`` at
+``-infinity``.  The row lock is the lease.  Why that is as safe as the autocommit lease:
+
+1. Exclusion between job transactions: a row lock has one holder.  A second run skips the
+   locked row and settles its message per ``when_held`` (nothing waits).  The statement never
+   inserts a row in the job's transaction (an uncommitted insert would make others wait): a
+   key without a row gets a free one committed on a connection of its own first.
+2. Exclusion against autocommit leases (a mixed fleet, actors without Idempotency): a live
+   autocommit lease has ``expires_at`` in the future, so the job transaction does not take it;
+   the autocommit acquire takes a row only if it can lock it at once (``SKIP LOCKED``), so a row
+   held by a job transaction is held for it too, and a held-by-a-transaction key that
+   ``when_held="buffer"`` cannot buffer into is postponed, not dropped.  An older worker whose
+   acquire lacks that check waits for the job transaction instead of settling at once: slower,
+   never overlapping.
+3. Nothing to lose, nothing to release: the lock ends with the job's commit or rollback, and
+   Postgres ends it when the worker's connection goes (SIGKILL, a lost host once TCP notices,
+   a Postgres crash, which also aborts the job's writes).  The committed row is free whatever
+   the outcome (``-infinity``), so no heartbeat renews it and no release deletes it.  A worker
+   whose host vanishes without closing its socket keeps the lock until Postgres notices (TCP
+   keepalives or ``idle_in_transaction_session_timeout``), as it keeps its Idempotency claim.
+4. Fencing tokens still grow: every acquisition takes ``nextval`` of the same sequence (never
+   rolled back), and the token is committed with the job's writes.  The job transaction's
+   acquire honours the crash quarantine like the autocommit one, so the sequence jump after a
+   crash covers both.
+5. ``when_held`` is unchanged: a held key is settled after Idempotency has rolled the job's
+   transaction back and returned its connection, so a postponed copy is sent on its own and
+   never rolled back with the job.
+
+The cost is one statement in a transaction the job opens anyway, with no commit of its own: no
+release, no heartbeat renewal.  ``job_transaction=False`` keeps the autocommit lease.
+
 This module lives at the top of the package, not in ``scheduler/``: any sender's messages can be
 singletons, and a worker that runs no schedules needs none of the scheduler.
 """
