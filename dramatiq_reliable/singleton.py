@@ -385,6 +385,7 @@ class Singleton(Middleware):
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         _current.set(None)
+        pending_in_transaction.set(None)
         try:
             actor = broker.get_actor(message.actor_name)
         except ActorNotFound:
@@ -643,6 +644,9 @@ class Singleton(Middleware):
         _current.set(lease)
 
     def _release(self, broker: Broker, message: MessageProxy) -> None:
+        # A request Idempotency never took (a middleware between us skipped the message) must
+        # not be taken for the next message of this thread.
+        pending_in_transaction.set(None)
         lease = _current.get()
         if lease is None or lease.message_id != message.message_id:
             return

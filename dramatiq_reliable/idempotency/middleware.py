@@ -414,7 +414,7 @@ class Idempotency(Middleware):
             running.schema = getattr(running.store, "schema", None)
             self._check_recorded(running, running.store)
         running.token = current_running.set(running)
-        if in_transaction is not None and running.conn is not None:
+        if in_transaction is not None:
             self._run_in_transaction(running, in_transaction)
 
     def _run_in_transaction(self, running: Running, in_transaction: InTransaction) -> None:
@@ -423,8 +423,9 @@ class Idempotency(Middleware):
         When it returns a settling step, the transaction is rolled back and its connection given
         back first: the step's own sends then commit on their own, never with the rolled-back work.
         """
-        assert running.conn is not None
         try:
+            if running.conn is None:  # never so after a claim; fail closed all the same
+                raise MiddlewareFailed(f"{describe_message(running.message)} has no job transaction to run in")
             then = in_transaction(running.conn)
         except BaseException:
             self._finish(running, commit=False)
