@@ -48,8 +48,10 @@ The key in the job's own transaction.  When the actor runs under transactional `
 (ordered after this middleware, on the same database and schema) and its ``when_held`` is not
 ``"buffer"``, the run takes no autocommit lease: right after Idempotency claims the job's key,
 in the same transaction, it locks the key's row (``FOR UPDATE SKIP LOCKED``, only a row that is
-free: ``expires_at`` in the past) and writes a new token into it, leaving ``expires_at`` at
-``-infinity``.  The row lock is the lease.  Why that is as safe as the autocommit lease:
+free: ``expires_at`` in the past) and takes a new token from the sequence.  The row lock is the
+lease; the row itself is not written, so it stays free (``expires_at`` ``-infinity``) whatever
+the job's outcome and a busy key leaves no dead row versions behind.  Why that is as safe as
+the autocommit lease:
 
 1. Exclusion between job transactions: a row lock has one holder.  A second run skips the
    locked row and settles its message per ``when_held`` (nothing waits).  The statement never
@@ -64,12 +66,13 @@ free: ``expires_at`` in the past) and writes a new token into it, leaving ``expi
    never overlapping.
 3. Nothing to lose, nothing to release: the lock ends with the job's commit or rollback, and
    Postgres ends it when the worker's connection goes (SIGKILL, a lost host once TCP notices,
-   a Postgres crash, which also aborts the job's writes).  The committed row is free whatever
-   the outcome (``-infinity``), so no heartbeat renews it and no release deletes it.  A worker
+   a Postgres crash, which also aborts the job's writes).  The row is free whatever the
+   outcome, so no heartbeat renews it and no release deletes it.  A worker
    whose host vanishes without closing its socket keeps the lock until Postgres notices (TCP
    keepalives or ``idle_in_transaction_session_timeout``), as it keeps its Idempotency claim.
 4. Fencing tokens still grow: every acquisition takes ``nextval`` of the same sequence (never
-   rolled back), and the token is committed with the job's writes.  The job transaction's
+   rolled back) whichever path takes the key, and a row's stored token only matters to the
+   autocommit path's own renewals and releases.  The job transaction's
    acquire honours the crash quarantine like the autocommit one, so the sequence jump after a
    crash covers both.
 5. ``when_held`` is unchanged: a held key is settled after Idempotency has rolled the job's
@@ -507,7 +510,7 @@ class Singleton(Middleware):
                     ensure_ready(check, schema=schema, required=SINGLETON_VERSION, feature="singleton actors")
                 self._schema_ready = True
             tokens = sql.Identifier(schema, "singleton_tokens").as_string(conn)
-            params = {"key": key, "tokens": tokens, "message_id": message.message_id, "owner": self.owner}
+            params = {"key": key, "tokens": tokens}
             statement = _sql.rendered("singleton_acquire_txn", schema)
             cursor = conn.cursor(row_factory=dict_row)
             row = cursor.execute(statement, params).fetchone()

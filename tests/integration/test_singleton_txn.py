@@ -32,7 +32,10 @@ def _install(broker: OutboxBroker, **options: Any) -> Singleton:
 
 
 def _lease_row(db: psycopg.Connection[Any], db_schema: str, key: str) -> tuple[Any, ...] | None:
-    """The committed row of ``key`` (token, expires_at is -infinity); read without waiting for a lock."""
+    """The committed row of ``key`` (token, expires_at is -infinity); read without waiting for a lock.
+
+    A free row written for the job-transaction path has token 0.
+    """
     return db.execute(
         sql.SQL("SELECT token, expires_at = '-infinity' FROM {} WHERE key = %s").format(
             sql.Identifier(db_schema, "singleton_leases")
@@ -89,8 +92,8 @@ def test_two_runs_contending_in_job_transactions_never_overlap_and_the_lock_ends
     assert held["action"] == "skipped" and held["message_id"] == second.message_id
     release.set()
     wait_for(lambda: not _locked(db, db_schema, nightly.actor_name), message="the commit did not release the key")
-    # The row stays, free, with the committed holder's token: nothing to delete, nothing to lapse.
-    assert _lease_row(db, db_schema, nightly.actor_name) == (leases[0].token, True)
+    # The row was locked, never written: still free, nothing to delete, nothing to lapse.
+    assert _lease_row(db, db_schema, nightly.actor_name) == (0, True)
     assert db.execute(sql.SQL("SELECT n FROM {}").format(table)).fetchall() == [(1,)]
     nightly.send(3)
     wait_for(lambda: len(leases) == 2, timeout_ms=15000, message="the key was not free after the commit")
@@ -114,7 +117,7 @@ def test_a_rolled_back_job_releases_its_key_and_the_next_token_is_larger(broker,
     wait_for(lambda: len(tokens) == 2, timeout_ms=15000, message="the retry after the rollback never ran")
     assert tokens[1] > tokens[0]
     wait_for(lambda: not _locked(db, db_schema, flaky.actor_name), message="the key stayed locked")
-    assert _lease_row(db, db_schema, flaky.actor_name) == (tokens[1], True)
+    assert _lease_row(db, db_schema, flaky.actor_name) == (0, True)
 
 
 def test_job_transaction_and_autocommit_leases_respect_each_other_without_waiting(
