@@ -18,6 +18,10 @@
    plain throughput (1.0 = free), ``singleton_ratio_spread`` its [min, max].  A third actor runs
    the middleware's acquire and release statements itself, on its own connection, around the
    same INSERT: ``singleton_ceiling_ratio`` is what no middleware taking a lease row can beat.
+   Two more actors run under transactional ``Idempotency`` (the INSERT on ``job_connection()``),
+   one a singleton (its key taken in the job's transaction), one not, interleaved in the same
+   rounds: ``singleton_txn_ratio`` (and ``_spread``) is the first's throughput over the second's.
+   ``--singleton-only`` runs this part alone.
 
 Each part uses its own schema, dropped at the end.  The last line printed is one JSON object.
 """
@@ -38,10 +42,11 @@ from typing import Any
 import dramatiq
 import psycopg
 from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import Callbacks
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from dramatiq_reliable import Database, Singleton, _sql, migrate
+from dramatiq_reliable import Database, Idempotency, Singleton, _sql, job_connection, migrate
 from dramatiq_reliable.scheduler import Registry, Schedule, Scheduler
 
 # Long enough that the tick after F is not due before every loop is done, short enough to wait for.
@@ -178,17 +183,35 @@ def bench_singleton(messages: int, rounds: int) -> dict[str, Any]:
             conn.execute(insert, (n,))
             conn.execute(release, {"key": "inline", "token": row["token"]})
 
+        def effect_in_job(n: int) -> None:
+            job_connection().execute(insert, (n,))
+
+        database = Database(url=DATABASE_URL)
         broker = StubBroker()
-        broker.add_middleware(Singleton(database=DATABASE_URL, schema=schema))
-        plain = dramatiq.actor(effect, actor_name="plain", queue_name="plain", broker=broker)
-        single = dramatiq.actor(effect, actor_name="single", queue_name="single", broker=broker, singleton=True)
-        ceiling = dramatiq.actor(inline, actor_name="inline", queue_name="inline", broker=broker)
+        # Singleton before Idempotency, as documented: the key is then taken in the job's transaction.
+        broker.add_middleware(Singleton(database=database, schema=schema), before=Callbacks)
+        broker.add_middleware(Idempotency(database=database, schema=schema), before=Callbacks)
+        off = {"idempotency": "off"}
+        plain = dramatiq.actor(effect, actor_name="plain", queue_name="plain", broker=broker, **off)
+        single = dramatiq.actor(effect, actor_name="single", queue_name="single", broker=broker, singleton=True, **off)
+        ceiling = dramatiq.actor(inline, actor_name="inline", queue_name="inline", broker=broker, **off)
+        txn_plain = dramatiq.actor(effect_in_job, actor_name="txn_plain", queue_name="txn_plain", broker=broker)
+        txn_single = dramatiq.actor(
+            effect_in_job, actor_name="txn_single", queue_name="txn_single", broker=broker, singleton=True
+        )
         worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=10)
         worker.start()
-        rates: dict[str, list[float]] = {"plain": [], "single": [], "inline": []}
+        cases = (
+            ("plain", plain),
+            ("single", single),
+            ("inline", ceiling),
+            ("txn_plain", txn_plain),
+            ("txn_single", txn_single),
+        )
+        rates: dict[str, list[float]] = {name: [] for name, _ in cases}
         try:
             for _ in range(rounds):  # interleaved rounds: both sides see the same machine load
-                for name, actor in (("plain", plain), ("single", single), ("inline", ceiling)):
+                for name, actor in cases:
                     for n in range(messages):
                         actor.send(n)
                     started = time.perf_counter()
@@ -198,9 +221,11 @@ def bench_singleton(messages: int, rounds: int) -> dict[str, Any]:
         finally:
             worker.stop()
             broker.close()
+            database.close()
         plain_rate, single_rate = statistics.median(rates["plain"]), statistics.median(rates["single"])
         ratios = [single / plain for plain, single in zip(rates["plain"], rates["single"], strict=True)]
         ceilings = [inline / plain for plain, inline in zip(rates["plain"], rates["inline"], strict=True)]
+        in_txn = [single / plain for plain, single in zip(rates["txn_plain"], rates["txn_single"], strict=True)]
         return {
             "plain_per_s": round(plain_rate, 1),
             "singleton_per_s": round(single_rate, 1),
@@ -208,6 +233,11 @@ def bench_singleton(messages: int, rounds: int) -> dict[str, Any]:
             "singleton_ratio_spread": [round(min(ratios), 3), round(max(ratios), 3)],
             # the acquire and release statements run by the actor itself: no middleware can beat it
             "singleton_ceiling_ratio": round(statistics.median(ceilings), 3),
+            # under transactional Idempotency, against the same actor without singleton
+            "txn_plain_per_s": round(statistics.median(rates["txn_plain"]), 1),
+            "txn_singleton_per_s": round(statistics.median(rates["txn_single"]), 1),
+            "singleton_txn_ratio": round(statistics.median(in_txn), 3),
+            "singleton_txn_ratio_spread": [round(min(in_txn), 3), round(max(in_txn), 3)],
         }
     finally:
         _drop(schema)
@@ -219,7 +249,13 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=2_000)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the singleton part")
     parser.add_argument("--loop-rounds", type=int, default=2, help="rounds of 1 loop then 3 loops")
+    parser.add_argument("--singleton-only", action="store_true", help="run the singleton part alone")
     args = parser.parse_args()
+    if args.singleton_only:
+        single = bench_singleton(args.messages, args.rounds)
+        log(f"singleton actor vs plain (1 worker thread, {args.messages} messages, {args.rounds} rounds)")
+        print(json.dumps(single), flush=True)
+        return
     runs: dict[int, list[dict[str, float]]] = {1: [], 3: []}
     for _ in range(args.loop_rounds):
         for loops in (1, 3):

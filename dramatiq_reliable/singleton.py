@@ -44,6 +44,44 @@ the key is not known to be held, so skipping or buffering would drop work.  The 
 keep their flush: a buffered message, clearing it, the heartbeat's renewals and the
 quarantine.  The release was already unflushed (a lost release leaves a lease that lapses).
 
+The key in the job's own transaction.  When the actor runs under transactional ``Idempotency``
+(ordered after this middleware, on the same database and schema) and its ``when_held`` is not
+``"buffer"``, the run takes no autocommit lease: right after Idempotency claims the job's key,
+in the same transaction, it locks the key's row (``FOR UPDATE SKIP LOCKED``, only a row that is
+free: ``expires_at`` in the past) and takes a new token from the sequence.  The row lock is the
+lease; the row itself is not written, so it stays free (``expires_at`` ``-infinity``) whatever
+the job's outcome and a busy key leaves no dead row versions behind.  Why that is as safe as
+the autocommit lease:
+
+1. Exclusion between job transactions: a row lock has one holder.  A second run skips the
+   locked row and settles its message per ``when_held`` (nothing waits).  The statement never
+   inserts a row in the job's transaction (an uncommitted insert would make others wait): a
+   key without a row gets a free one committed on a connection of its own first.
+2. Exclusion against autocommit leases (a mixed fleet, actors without Idempotency): a live
+   autocommit lease has ``expires_at`` in the future, so the job transaction does not take it;
+   the autocommit acquire takes a row only if it can lock it at once (``SKIP LOCKED``), so a row
+   held by a job transaction is held for it too, and a held-by-a-transaction key that
+   ``when_held="buffer"`` cannot buffer into is postponed, not dropped.  An older worker whose
+   acquire lacks that check waits for the job transaction instead of settling at once: slower,
+   never overlapping.
+3. Nothing to lose, nothing to release: the lock ends with the job's commit or rollback, and
+   Postgres ends it when the worker's connection goes (SIGKILL, a lost host once TCP notices,
+   a Postgres crash, which also aborts the job's writes).  The row is free whatever the
+   outcome, so no heartbeat renews it and no release deletes it.  A worker
+   whose host vanishes without closing its socket keeps the lock until Postgres notices (TCP
+   keepalives or ``idle_in_transaction_session_timeout``), as it keeps its Idempotency claim.
+4. Fencing tokens still grow: every acquisition takes ``nextval`` of the same sequence (never
+   rolled back) whichever path takes the key, and a row's stored token only matters to the
+   autocommit path's own renewals and releases.  The job transaction's
+   acquire honours the crash quarantine like the autocommit one, so the sequence jump after a
+   crash covers both.
+5. ``when_held`` is unchanged: a held key is settled after Idempotency has rolled the job's
+   transaction back and returned its connection, so a postponed copy is sent on its own and
+   never rolled back with the job.
+
+The cost is one statement in a transaction the job opens anyway, with no commit of its own: no
+release, no heartbeat renewal.  ``job_transaction=False`` keeps the autocommit lease.
+
 This module lives at the top of the package, not in ``scheduler/``: any sender's messages can be
 singletons, and a worker that runs no schedules needs none of the scheduler.
 """
@@ -58,6 +96,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal, NoReturn, cast
 
 import dramatiq
@@ -70,13 +109,15 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from . import _sql, events
-from ._checks import check_ms, is_int
+from ._checks import check_bool, check_ms, is_int
 from ._util import first_line
 from .backing import backing_of
 from .binding import bind
 from .database import Database, DatabaseLike
 from .errors import ActorOptionError, ConfigurationError, DatabaseUnavailable, MiddlewareFailed, SchemaNotReady
 from .idempotency._connections import autocommit  # the pool's connections keep their mode
+from .idempotency.context import pending_in_transaction
+from .idempotency.middleware import Idempotency
 from .schema import SINGLETON_VERSION, ensure_ready
 
 __all__ = [
@@ -164,6 +205,9 @@ class Lease:
     actor_name: str
     #: Set by the heartbeat when another run took the key over after this lease lapsed.
     lost: bool = False
+    #: Held as a row lock of the job's own transaction (transactional ``Idempotency``): it ends
+    #: with that transaction and is neither renewed nor deleted.
+    in_transaction: bool = False
 
 
 _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("dramatiq_reliable_singleton", default=None)
@@ -207,6 +251,11 @@ class Singleton(Middleware):
       lease_ms: how long a lease outlives a holder that stopped renewing it (a killed worker);
         the heartbeat renews every ``lease_ms / 3``.
       when_held, retry_delay_ms: the defaults of the actor options above.
+      job_transaction: take the key inside the job's own transaction when the actor runs under
+        transactional ``Idempotency`` (placed after this middleware, on the same database and
+        schema) and its ``when_held`` is not ``"buffer"``: a row lock held until the job
+        commits or rolls back, no statement of its own to commit.  ``False`` keeps the
+        autocommit lease for every run.
 
     Order of a postponed or buffered message and the ack: the copy is made durable first (an
     outbox or queue row, a RabbitMQ delay-queue publish, or the lease row's buffer) and the
@@ -229,7 +278,9 @@ class Singleton(Middleware):
         lease_ms: int = DEFAULT_LEASE_MS,
         when_held: WhenHeld = "retry",
         retry_delay_ms: int = DEFAULT_RETRY_DELAY_MS,
+        job_transaction: bool = True,
     ) -> None:
+        check_bool("job_transaction", job_transaction)
         check_ms("lease_ms", lease_ms, minimum=300, fix="e.g. lease_ms=30_000, longer than a GC pause or a failover")
         check_ms("retry_delay_ms", retry_delay_ms, fix="e.g. retry_delay_ms=5_000")
         if when_held not in WHEN_HELD:
@@ -240,6 +291,9 @@ class Singleton(Middleware):
         self.lease_ms = lease_ms
         self.when_held: WhenHeld = when_held
         self.retry_delay_ms = retry_delay_ms
+        self.job_transaction = job_transaction
+        # broker id -> the Idempotency after this middleware on the same leases' database, or None
+        self._idempotency: dict[int, Idempotency | None] = {}
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._own_database = Database.of(database) if database is not None else None
         self._target: tuple[Database, str] | None = None
@@ -334,6 +388,7 @@ class Singleton(Middleware):
 
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         _current.set(None)
+        pending_in_transaction.set(None)
         try:
             actor = broker.get_actor(message.actor_name)
         except ActorNotFound:
@@ -346,6 +401,10 @@ class Singleton(Middleware):
             message.fail()
             raise SkipMessage(str(error)) from error
         if key is None:
+            return
+        if self._in_job_transaction(broker, actor, message):
+            # Idempotency runs it first thing in the job's transaction, right after the claim.
+            pending_in_transaction.set(lambda conn: self._acquire_in_transaction(broker, conn, actor, message, key))
             return
         database, schema = self.database_for(broker)
         try:
@@ -382,10 +441,14 @@ class Singleton(Middleware):
                     if left_ms is None:  # the guard row is gone: Postgres crashed since the last acquire
                         left_ms = self._start_quarantine(conn, schema, tokens)
                     self._postpone_quarantined(broker, actor, message, key, max(1, int(left_ms)))
-                self._settle_held(broker, conn, schema, actor, message, key)
+                self._settle_held(broker, conn, schema, actor, message, key, locked=bool(row["locked"]))
         except (SkipMessage, DatabaseUnavailable, MiddlewareFailed):
             raise
-        except (psycopg.Error, OSError, TimeoutError, SchemaNotReady) as error:
+        except Exception as error:
+            self._acquire_failed(error, key, message)
+
+    def _acquire_failed(self, error: Exception, key: str, message: MessageProxy) -> NoReturn:
+        if isinstance(error, psycopg.Error | OSError | TimeoutError | SchemaNotReady):
             if isinstance(error, psycopg.errors.UndefinedTable | SchemaNotReady):
                 self._schema_ready = False
             raise DatabaseUnavailable(
@@ -393,11 +456,100 @@ class Singleton(Middleware):
                 f"{type(error).__name__}: {first_line(error)}; the actor did not run and the message will be retried "
                 "once Postgres answers (run 'dramatiq-reliable migrate' if the schema is behind)"
             ) from error
+        raise MiddlewareFailed(
+            f"Singleton could not take the lease {key!r} for message {message.message_id!r}: "
+            f"{type(error).__name__}: {first_line(error)}; the actor did not run, report this as a bug"
+        ) from error
+
+    # -- the key in the job's transaction -------------------------------------------------------
+
+    def _in_job_transaction(self, broker: Broker, actor: dramatiq.Actor[Any, Any], message: MessageProxy) -> bool:
+        """Whether this run takes its key in the job's transaction (see ``job_transaction``)."""
+        if not self.job_transaction or actor.options.get("singleton_when_held", self.when_held) == "buffer":
+            return False
+        idempotency = self._idempotency_after(broker)
+        if idempotency is None:
+            return False
+        try:
+            job = idempotency.job_for(broker, message)
+        except Exception:  # a bad key: Idempotency's own hook fails the message
+            return False
+        return job is not None and job.mode == "transactional"
+
+    def _idempotency_after(self, broker: Broker) -> Idempotency | None:
+        if id(broker) not in self._idempotency:
+            found: Idempotency | None = None
+            middleware = list(broker.middleware)
+            mine = next((i for i, m in enumerate(middleware) if m is self), None)
+            for later in middleware[(len(middleware) if mine is None else mine + 1) :]:
+                if isinstance(later, Idempotency) and later.store is None:
+                    # The lock must be in the transaction of the database holding the leases.
+                    if later.database_for(broker) == self.database_for(broker):
+                        found = later
+                    break
+            self._idempotency[id(broker)] = found
+        return self._idempotency[id(broker)]
+
+    def _acquire_in_transaction(
+        self,
+        broker: Broker,
+        conn: psycopg.Connection[Any],
+        actor: dramatiq.Actor[Any, Any],
+        message: MessageProxy,
+        key: str,
+    ) -> Callable[[], None] | None:
+        """Lock the key's row in the job's transaction; ``None`` when taken, else the settling step.
+
+        Idempotency calls the step after rolling the job's transaction back, so a postponed
+        copy is never sent inside it.
+        """
+        database, schema = self.database_for(broker)
+        try:
+            if not self._schema_ready:
+                with database.connection() as check, autocommit(check):
+                    ensure_ready(check, schema=schema, required=SINGLETON_VERSION, feature="singleton actors")
+                self._schema_ready = True
+            tokens = sql.Identifier(schema, "singleton_tokens").as_string(conn)
+            params = {"key": key, "tokens": tokens}
+            statement = _sql.rendered("singleton_acquire_txn", schema)
+            cursor = conn.cursor(row_factory=dict_row)
+            row = cursor.execute(statement, params).fetchone()
+            assert row is not None  # the statement always returns one row
+            if not row["present"] and not row["quarantined"]:
+                # First run of this key here (or the autocommit path deleted its row): commit a
+                # free row on a connection of its own, then lock it.
+                with database.connection() as other, autocommit(other):
+                    other.execute(_sql.query("singleton_free_row", schema), {"key": key, "owner": self.owner})
+                row = cursor.execute(statement, params).fetchone()
+                assert row is not None
+        except (SkipMessage, DatabaseUnavailable, MiddlewareFailed):
+            raise
         except Exception as error:
-            raise MiddlewareFailed(
-                f"Singleton could not take the lease {key!r} for message {message.message_id!r}: "
-                f"{type(error).__name__}: {first_line(error)}; the actor did not run, report this as a bug"
-            ) from error
+            self._acquire_failed(error, key, message)
+        if row["token"] is not None:
+            lease = Lease(key, int(row["token"]), message.message_id, message.actor_name, in_transaction=True)
+            _current.set(lease)
+            return None
+        return lambda: self._settle_outside(broker, actor, message, key, row)
+
+    def _settle_outside(
+        self, broker: Broker, actor: dramatiq.Actor[Any, Any], message: MessageProxy, key: str, row: dict[str, Any]
+    ) -> None:
+        """A key not taken in the job's transaction, settled once that transaction is gone."""
+        database, schema = self.database_for(broker)
+        try:
+            with database.connection() as conn, autocommit(conn):
+                if row["quarantined"]:
+                    left_ms = row["quarantine_left_ms"]
+                    if left_ms is None:  # the guard row is gone: Postgres crashed since the last acquire
+                        tokens = sql.Identifier(schema, "singleton_tokens").as_string(conn)
+                        left_ms = self._start_quarantine(conn, schema, tokens)
+                    self._postpone_quarantined(broker, actor, message, key, max(1, int(left_ms)))
+                self._settle_held(broker, conn, schema, actor, message, key, locked=True)
+        except (SkipMessage, DatabaseUnavailable, MiddlewareFailed):
+            raise
+        except Exception as error:
+            self._acquire_failed(error, key, message)
 
     def _start_quarantine(self, conn: psycopg.Connection[Any], schema: str, tokens: str) -> int:
         """Put the guard row back after a crash: no key for ``lease_ms``, tokens moved on; the ms left."""
@@ -437,6 +589,8 @@ class Singleton(Middleware):
         actor: dramatiq.Actor[Any, Any],
         message: MessageProxy,
         key: str,
+        *,
+        locked: bool = False,
     ) -> None:
         when = actor.options.get("singleton_when_held", self.when_held)
         if when == "buffer":
@@ -450,19 +604,26 @@ class Singleton(Middleware):
                     "body": cast("Message[Any]", message).encode(),
                 },
             ).fetchone()
+            if row is None and locked:
+                # Held by a job transaction: its row cannot take a buffered message (the holder
+                # never reads it back), so postpone instead of dropping the message.
+                self._postpone(broker, actor, message, key)
             action = "buffered" if row is not None else "skipped"
             events.emit(SingletonHeld(message.actor_name, message.message_id, key, action))
             raise SkipMessage(f"singleton key {key!r} is held; the message was {action}")
         if when == "retry":
-            delay = int(actor.options.get("singleton_retry_delay_ms", self.retry_delay_ms))
-            postponed = message.options.get(POSTPONED_KEY, 0)
-            message.options[POSTPONED_KEY] = (postponed if is_int(postponed) else 0) + 1
-            # Durable first, ack after (SkipMessage): a crash in between duplicates, never loses.
-            broker.enqueue(cast("Message[Any]", message), delay=delay or None)
-            events.emit(SingletonHeld(message.actor_name, message.message_id, key, "postponed", delay))
-            raise SkipMessage(f"singleton key {key!r} is held; the message was postponed by {delay} ms")
+            self._postpone(broker, actor, message, key)
         events.emit(SingletonHeld(message.actor_name, message.message_id, key, "skipped"))
         raise SkipMessage(f"singleton key {key!r} is held; the message was skipped")
+
+    def _postpone(self, broker: Broker, actor: dramatiq.Actor[Any, Any], message: MessageProxy, key: str) -> NoReturn:
+        delay = int(actor.options.get("singleton_retry_delay_ms", self.retry_delay_ms))
+        postponed = message.options.get(POSTPONED_KEY, 0)
+        message.options[POSTPONED_KEY] = (postponed if is_int(postponed) else 0) + 1
+        # Durable first, ack after (SkipMessage): a crash in between duplicates, never loses.
+        broker.enqueue(cast("Message[Any]", message), delay=delay or None)
+        events.emit(SingletonHeld(message.actor_name, message.message_id, key, "postponed", delay))
+        raise SkipMessage(f"singleton key {key!r} is held; the message was postponed by {delay} ms")
 
     def after_process_message(
         self,
@@ -486,10 +647,15 @@ class Singleton(Middleware):
         _current.set(lease)
 
     def _release(self, broker: Broker, message: MessageProxy) -> None:
+        # A request Idempotency never took (a middleware between us skipped the message) must
+        # not be taken for the next message of this thread.
+        pending_in_transaction.set(None)
         lease = _current.get()
         if lease is None or lease.message_id != message.message_id:
             return
         _current.set(None)
+        if lease.in_transaction:
+            return  # the job's commit or rollback (Idempotency's after-hook, run first) released it
         # Under the reclaim lock: a heartbeat putting this lease back waits for us or has
         # finished, so the delete below never leaves a reclaimed row behind.
         with self._reclaim_lock, self._lock:

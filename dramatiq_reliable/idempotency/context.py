@@ -114,6 +114,20 @@ current_running: contextvars.ContextVar[Running | None] = contextvars.ContextVar
 )
 
 
+#: What a middleware ordered before ``Idempotency`` asks to run first in the job's transaction:
+#: called with the job connection right after the key is claimed; it returns ``None`` to let the
+#: actor run, or a callable that ``Idempotency`` calls once that transaction is rolled back and
+#: its connection returned (it settles the message and raises ``SkipMessage`` or another
+#: ``MiddlewareError``).
+InTransaction = Callable[[psycopg.Connection[Any]], Callable[[], None] | None]
+
+# Set by the before-hook of such a middleware, taken (and cleared) by Idempotency's before-hook
+# of the same message on the same thread.
+pending_in_transaction: contextvars.ContextVar[InTransaction | None] = contextvars.ContextVar(
+    "dramatiq_reliable_in_job_transaction", default=None
+)
+
+
 def send_with_commit(statement: bytes) -> bool:
     """Run ``statement`` (complete SQL, its values inlined) in the running job's transaction, just
     before its COMMIT and in the same round trip; ``False`` when no transactional job runs here.

@@ -47,7 +47,17 @@ from ..retries import (
     retry_event,
 )
 from ..schema import IDEMPOTENCY_VERSION, ensure_ready
-from .context import MODES, Job, JobConnections, Mode, PooledJobConnections, Running, current_running
+from .context import (
+    MODES,
+    InTransaction,
+    Job,
+    JobConnections,
+    Mode,
+    PooledJobConnections,
+    Running,
+    current_running,
+    pending_in_transaction,
+)
 from .events import (
     IdempotencyCommitFailed,
     IdempotencyDuplicateSkipped,
@@ -367,6 +377,10 @@ class Idempotency(Middleware):
             ) from error
 
     def _before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        # Taken first, whatever happens next: a request never outlives the message it was made for.
+        in_transaction = pending_in_transaction.get()
+        if in_transaction is not None:
+            pending_in_transaction.set(None)
         stale = current_running.get()
         if stale is not None:
             logger.error("idempotency state of message %s was never cleaned up; rolling it back", stale.job.message_id)
@@ -381,8 +395,15 @@ class Idempotency(Middleware):
             events.emit(IdempotencyKeyInvalid(message.actor_name, message.message_id, str(error)))
             message.fail()
             raise
-        if job is None:
-            return
+        if job is None or job.mode != "transactional":
+            if in_transaction is not None:
+                # Fail closed: the middleware that asked relies on it to run at all.
+                raise MiddlewareFailed(
+                    f"{describe_message(message)} was expected to run in a job transaction, but its idempotency "
+                    f"mode is {'off' if job is None else job.mode!r}; the actor did not run, report this as a bug"
+                )
+            if job is None:
+                return
         running = Running(job, message, payload_hash(message.args, message.kwargs), self._retention_s(actor))
         if job.mode == "transactional":
             database, schema_name = self.database_for(broker)
@@ -393,6 +414,25 @@ class Idempotency(Middleware):
             running.schema = getattr(running.store, "schema", None)
             self._check_recorded(running, running.store)
         running.token = current_running.set(running)
+        if in_transaction is not None:
+            self._run_in_transaction(running, in_transaction)
+
+    def _run_in_transaction(self, running: Running, in_transaction: InTransaction) -> None:
+        """Run another middleware's first statements in the job's transaction (a singleton's key).
+
+        When it returns a settling step, the transaction is rolled back and its connection given
+        back first: the step's own sends then commit on their own, never with the rolled-back work.
+        """
+        try:
+            if running.conn is None:  # never so after a claim; fail closed all the same
+                raise MiddlewareFailed(f"{describe_message(running.message)} has no job transaction to run in")
+            then = in_transaction(running.conn)
+        except BaseException:
+            self._finish(running, commit=False)
+            raise
+        if then is not None:
+            self._finish(running, commit=False)
+            then()
 
     def after_process_message(
         self,

@@ -2,6 +2,8 @@
 
 Every run of the singleton ``job`` records its start and its end (with this process's pid) in
 ``runs``; with ``STALL=1`` the run never ends, so the test can kill the process holding the key.
+With ``TXN=1`` the job runs under transactional ``Idempotency``, so it holds its key as a row
+lock of its own transaction.
 """
 
 from __future__ import annotations
@@ -11,14 +13,20 @@ import time
 
 import dramatiq
 import psycopg
+from dramatiq.middleware import Callbacks
 from psycopg import sql
 from worker_apps import run_until_stdin_closes
 
-from dramatiq_reliable import PostgresBroker, Singleton
+from dramatiq_reliable import Idempotency, PostgresBroker, Singleton
 
 DATABASE_URL, SCHEMA, QUEUE = os.environ["DATABASE_URL"], os.environ["SCHEMA"], os.environ["QUEUE"]
 broker = PostgresBroker(database=DATABASE_URL, schema=SCHEMA, lease_ms=2000)
-broker.add_middleware(Singleton(lease_ms=int(os.environ["SINGLETON_LEASE_MS"]), retry_delay_ms=50))
+singleton = Singleton(lease_ms=int(os.environ["SINGLETON_LEASE_MS"]), retry_delay_ms=50)
+if os.environ.get("TXN") == "1":
+    broker.add_middleware(singleton, before=Callbacks)
+    broker.add_middleware(Idempotency(), before=Callbacks)
+else:
+    broker.add_middleware(singleton)
 dramatiq.set_broker(broker)
 RUNS = sql.Identifier(SCHEMA, "runs")
 

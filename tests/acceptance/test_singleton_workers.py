@@ -26,14 +26,17 @@ APP = Path(__file__).with_name("singleton_worker_app.py")
 LEASE_MS = 3000
 
 
-def _worker(database_url: str, schema: str, queue: str, *, stall: bool) -> subprocess.Popen[str]:
+def _worker(
+    database_url: str, schema: str, queue: str, *, stall: bool, txn: bool = False, lease_ms: int = LEASE_MS
+) -> subprocess.Popen[str]:
     return start_app(
         APP,
         DATABASE_URL=database_url,
         SCHEMA=schema,
         QUEUE=queue,
         STALL="1" if stall else "0",
-        SINGLETON_LEASE_MS=str(LEASE_MS),
+        TXN="1" if txn else "0",
+        SINGLETON_LEASE_MS=str(lease_ms),
     )
 
 
@@ -120,3 +123,46 @@ def test_a_worker_killed_while_holding_the_key_does_not_keep_it(
     first, *later = db.execute(runs).fetchall()
     assert first[1] == doomed.pid and first[3] is None
     assert all(r[1] == survivor.pid for r in later)
+
+
+def test_a_killed_worker_holding_the_key_in_its_job_transaction_frees_it_with_its_connection(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any], runs: sql.Composed, broker: PostgresBroker
+) -> None:
+    # A lease of ten minutes: were the key an autocommit lease, the survivor could not take it
+    # before the test times out.  It is the dead worker's transaction, gone with its connection.
+    lease_ms = 600_000
+    queue = f"sg_{uuid.uuid4().hex[:10]}"
+    _send(broker, queue, range(1))
+    doomed = _worker(database_url, db_schema, queue, stall=True, txn=True, lease_ms=lease_ms)
+    try:
+        wait_for(lambda: db.execute(runs).fetchall(), timeout_ms=30_000, message="the first worker never ran the job")
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait(timeout=10)
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+            doomed.wait(timeout=10)
+        if doomed.stdin is not None:
+            doomed.stdin.close()
+    _send(broker, queue, range(1, 3))
+    survivor = _worker(database_url, db_schema, queue, stall=False, txn=True, lease_ms=lease_ms)
+    try:
+        wait_for(
+            lambda: {r[0] for r in db.execute(runs).fetchall() if r[3] is not None} == {0, 1, 2},
+            timeout_ms=30_000,
+            message="the key stayed held after its holder was killed",
+        )
+    finally:
+        stop_app(survivor)
+    first, *later = db.execute(runs).fetchall()
+    assert first[1] == doomed.pid and first[3] is None
+    assert all(r[1] == survivor.pid for r in later)
+    for before, after in itertools.pairwise(later):
+        assert after[2] >= before[3]
+    # One row, free: nothing for a heartbeat to renew or a release to delete.
+    leases = db.execute(
+        sql.SQL("SELECT count(*), bool_and(expires_at = '-infinity') FROM {}").format(
+            sql.Identifier(db_schema, "singleton_leases")
+        )
+    )
+    assert leases.fetchone() == (1, True)

@@ -11,8 +11,10 @@ from dramatiq.broker import MessageProxy
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import SkipMessage
 
-from dramatiq_reliable import ActorOptionError, ConfigurationError, Database
+from dramatiq_reliable import ActorOptionError, ConfigurationError, Database, Idempotency, MiddlewareFailed
+from dramatiq_reliable.idempotency.context import pending_in_transaction
 from dramatiq_reliable.singleton import Singleton, current_lease
+from dramatiq_reliable.testing import InMemoryIdempotencyStore
 
 # Never opened: a test that reached Postgres would fail on this closed port.
 URL = "postgresql://postgres@127.0.0.1:9/postgres"
@@ -34,6 +36,7 @@ def stub() -> Iterator[StubBroker]:
         ({"retry_delay_ms": -1}, r"retry_delay_ms must be an int >= 0"),
         ({"when_held": "wait"}, r"when_held must be one of \('skip', 'retry', 'buffer'\), got 'wait'"),
         ({"schema": ""}, r"schema must be a non-empty string"),
+        ({"job_transaction": "yes"}, r"job_transaction must be True or False, got 'yes'"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_fix(options: dict[str, Any], match: str) -> None:
@@ -102,3 +105,19 @@ def test_an_actor_that_is_no_singleton_never_touches_postgres(stub: StubBroker) 
     middleware.after_process_message(stub, proxy)
     assert current_lease() is None
     assert not proxy.failed
+
+
+def test_a_request_for_the_job_transaction_fails_closed_when_the_job_has_none() -> None:
+    # Singleton counts on it to hold the key: an actor it would run unprotected must not run.
+    broker = StubBroker()
+    idempotency = Idempotency(store=InMemoryIdempotencyStore())
+    broker.add_middleware(idempotency)
+    actor = dramatiq.actor(lambda: None, actor_name="recorded", broker=broker)
+    pending_in_transaction.set(lambda conn: None)
+    try:
+        with pytest.raises(MiddlewareFailed, match="expected to run in a job transaction, but its idempotency mode"):
+            idempotency.before_process_message(broker, MessageProxy(actor.message()))
+        assert pending_in_transaction.get() is None  # taken, never left for the next message
+    finally:
+        pending_in_transaction.set(None)
+        broker.close()
