@@ -527,7 +527,11 @@ def _connection(database: DatabaseSource, connect_timeout_ms: int) -> Iterator[p
     elif isinstance(database, psycopg.Connection):
         yield database
     else:
-        with psycopg.connect(database, connect_timeout=max(1, round(connect_timeout_ms / 1000))) as conn:
+        # No prepared statements: one reading runs the same query per queue, and behind PgBouncer
+        # in transaction mode a prepared statement belongs to a server process, not to this connection.
+        with psycopg.connect(
+            database, connect_timeout=max(1, round(connect_timeout_ms / 1000)), prepare_threshold=None
+        ) as conn:
             yield conn
 
 

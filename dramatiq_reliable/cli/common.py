@@ -412,12 +412,18 @@ def _mask_fragments(message: str, url: str) -> str:
 
 
 def _connect_options(url: str) -> dict[str, Any]:
-    """A short connect timeout, unless the URL or ``$PGCONNECT_TIMEOUT`` sets one."""
+    """A short connect timeout, unless the URL or ``$PGCONNECT_TIMEOUT`` sets one; no prepared statements.
+
+    A command's connection lives for a few statements, so preparing saves nothing, and behind
+    PgBouncer in transaction mode a statement prepared on one server process is missing (or
+    already exists under the same name) on the next.
+    """
     from psycopg.conninfo import conninfo_to_dict
 
+    options: dict[str, Any] = {"prepare_threshold": None}
     if "connect_timeout" in conninfo_to_dict(url) or os.environ.get("PGCONNECT_TIMEOUT"):
-        return {}
-    return {"connect_timeout": CONNECT_TIMEOUT_S}
+        return options
+    return {**options, "connect_timeout": CONNECT_TIMEOUT_S}
 
 
 @contextlib.contextmanager

@@ -124,10 +124,12 @@ def test_a_plain_sql_insert_from_another_connection_is_claimed(database_url, db_
 
 
 @pytest.fixture
-def sleepy(monkeypatch, database_url, db_schema, queue_name) -> Iterator[tuple[PostgresBroker, Taker]]:
+def sleepy(monkeypatch, database_url, listen_url, db_schema, queue_name) -> Iterator[tuple[PostgresBroker, Taker]]:
     """A consumer whose idle sleeps last ten minutes: only a wake-up ends them within a test."""
     monkeypatch.setattr(consumer_module, "FIRST_IDLE_S", 600.0)
-    broker = PostgresBroker(database=database_url, schema=db_schema, poll_interval_ms=600_000)
+    broker = PostgresBroker(
+        database=database_url, schema=db_schema, poll_interval_ms=600_000, listen_database=listen_url
+    )
     try:
         _actor(broker, queue_name)
         consumer = broker.consume(queue_name, prefetch=1, timeout=CONSUMER_TIMEOUT_MS)
@@ -172,14 +174,14 @@ def _as_release_17_left_it(database_url: str, schema_name: str) -> None:
 
 
 def test_migrating_drops_the_queue_trigger_keeps_waiting_rows_and_wakes_workers_once(
-    database_url, db, unmigrated_schema, queue_name
+    database_url, direct_database_url, db, unmigrated_schema, queue_name
 ):
     _as_release_17_left_it(database_url, unmigrated_schema)
     assert _queue_triggers(db, unmigrated_schema) == ["queue_notify"]
     broker = PostgresBroker(database=database_url, schema=unmigrated_schema)
     try:
         waiting = _actor(broker, queue_name).send(5)
-        with psycopg.connect(database_url, autocommit=True) as listen:
+        with psycopg.connect(direct_database_url, autocommit=True) as listen:  # LISTEN needs a session
             listen.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel(unmigrated_schema))))
             assert schema.migrate(database_url, schema=unmigrated_schema)[:1] == [18]  # later ones may follow
             # One notification with no payload, at the migration's commit: every consumer looks now.
