@@ -132,7 +132,7 @@ class Scheduler:
         to the outbox, due at the fire time (0: only once due).  A pass over many schedules
         takes time; writing ahead makes the relay, not the pass, decide when the message goes
         out, so ticks are on time when thousands fall due at once.  Only with
-        ``target="outbox"`` (the queue table has no due time); see ``docs/scheduling.md``.
+        ``target="outbox"`` (not yet with ``PostgresBroker``); see ``docs/scheduling.md``.
 
     >>> scheduler = Scheduler(database="postgresql://app@localhost/app")   # doctest: +SKIP
     >>> scheduler.sync(); scheduler.run()                                    # doctest: +SKIP
@@ -154,8 +154,9 @@ class Scheduler:
         check_ms("lead_ms", lead_ms, minimum=0, fix="pass e.g. lead_ms=2000, or 0 to write ticks only once due")
         if lead_ms and target != "outbox":
             raise ConfigurationError(
-                f"lead_ms={lead_ms!r} needs target='outbox' (a queue table row has no due time, so a tick "
-                f"written ahead would run early); pass lead_ms=0 with target={target!r}"
+                f"lead_ms={lead_ms!r} needs target='outbox' (only the outbox's relay publishes a tick written "
+                f"ahead at its fire time, and only there is it taken back by a pause); pass lead_ms=0 with "
+                f"target={target!r}"
             )
         check_int("batch_size", batch_size, minimum=1, fix="pass e.g. batch_size=500")
         check_ms("poll_interval_ms", poll_interval_ms, minimum=1, fix="pass e.g. poll_interval_ms=1000")
