@@ -332,7 +332,9 @@ class Scheduler:
                 )
                 for fire_at in decision.fire:
                     message_id = tick_message_id(self.schema, item.name, fire_at)
-                    body = tick_message(item, fire_at, message_id, stamp_ms).encode()
+                    # Written ahead: stamped with its fire time, so max_age counts from when it is due.
+                    stamp = int(fire_at.timestamp() * 1000) if ahead else stamp_ms
+                    body = tick_message(item, fire_at, message_id, stamp).encode()
                     add_tick(
                         fire,
                         item,

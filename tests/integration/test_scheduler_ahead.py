@@ -7,6 +7,7 @@ import math
 import threading
 
 import pytest
+from dramatiq.message import Message
 from psycopg import sql
 
 from dramatiq_reliable import ConfigurationError
@@ -68,6 +69,8 @@ def test_an_allow_tick_is_written_ahead_due_at_its_fire_time_and_once(make_loop,
     message_id = tick_message_id(db_schema, "every-10s", fire_at)
     assert _rows(db, db_schema, "outbox", "message_id, available_at") == [(message_id, fire_at)]
     assert _rows(db, db_schema, "schedule_ticks", "fire_at, state, reason") == [(fire_at, "enqueued", "ahead")]
+    ((body,),) = _rows(db, db_schema, "outbox", "body")
+    assert Message.decode(bytes(body)).message_timestamp == int(fire_at.timestamp() * 1000)
     (next_fire_at,) = _rows(db, db_schema, "schedules", "next_fire_at")[0]
     assert next_fire_at == fire_at + dt.timedelta(milliseconds=INTERVAL_MS)
 
