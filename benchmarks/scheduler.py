@@ -20,7 +20,8 @@
    With ``--relay`` a ``Relay`` process publishes to RabbitMQ (``RABBITMQ_URL``) during each run,
    started with the loops: ``lag_publish_p99_ms`` is F to the row's ``published_at`` (the relay
    transaction's start, which claims and publishes the batch: a consumer-visible lag, short by
-   that batch's publish and confirm).  This is the figure a consumer sees.
+   that batch's publish and confirm).  This is the figure a consumer sees.  ``--relays N`` runs N
+   relay processes (SKIP LOCKED shares the rows).
 2. One actor doing one INSERT, run ``--messages`` times by a one-thread worker on a StubBroker,
    with ``singleton=True`` under the ``Singleton`` middleware and, in the same run, as a plain
    actor, interleaved over ``--rounds`` rounds (plain, singleton, plain, ...: both see the same
@@ -116,7 +117,7 @@ def _delete_queue(queue: str) -> None:
         connection.close()
 
 
-def bench_loops(schedules: int, loops: int, lead_ms: int, relay: bool = False) -> dict[str, float]:
+def bench_loops(schedules: int, loops: int, lead_ms: int, relays: int = 0) -> dict[str, float]:
     schema = _schema()
     queue = f"{schema}_q"
     try:
@@ -148,14 +149,14 @@ def bench_loops(schedules: int, loops: int, lead_ms: int, relay: bool = False) -
             context.Process(target=_loop, args=(schema, fire_at - lead_s, done, lead_ms)) for _ in range(loops)
         ]
         stop_relay = context.Event()
-        relayer = context.Process(target=_relay, args=(schema, stop_relay)) if relay else None
-        for process in [*processes, *([relayer] if relayer else [])]:
+        relayers = [context.Process(target=_relay, args=(schema, stop_relay)) for _ in range(relays)]
+        for process in [*processes, *relayers]:
             process.start()
         reports = [done.get(timeout=600) for _ in processes]
         for process in processes:
             process.join()
         publish_lags: list[float] = []
-        if relayer is not None:
+        if relayers:
             with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
                 count = sql.SQL("SELECT count(*) FROM {} WHERE published_at IS NULL").format(
                     sql.Identifier(schema, "outbox")
@@ -173,7 +174,8 @@ def bench_loops(schedules: int, loops: int, lead_ms: int, relay: bool = False) -
                     ).fetchall()
                 ]
             stop_relay.set()
-            relayer.join(timeout=30)
+            for relayer in relayers:
+                relayer.join(timeout=30)
         finished = [end for end, _ in reports]
         # A tick written ahead is visible to a relay at the later of its commit and its due time F.
         commit_lags = [
@@ -214,7 +216,7 @@ def bench_loops(schedules: int, loops: int, lead_ms: int, relay: bool = False) -
         }
     finally:
         _drop(schema)
-        if relay:
+        if relays:
             _delete_queue(queue)
 
 
@@ -297,6 +299,7 @@ def main() -> None:
     parser.add_argument("--loop-rounds", type=int, default=2, help="rounds of 1 loop then 3 loops")
     parser.add_argument("--lead-ms", type=int, default=2000, help="the scheduler's lead_ms (0 runs only the baseline)")
     parser.add_argument("--relay", action="store_true", help="also measure the lag to the relay's publish")
+    parser.add_argument("--relays", type=int, default=1, help="relay processes with --relay")
     parser.add_argument("--skip-singleton", action="store_true", help="only the scheduler part")
     args = parser.parse_args()
     leads = [0, args.lead_ms] if args.lead_ms else [0]
@@ -304,7 +307,7 @@ def main() -> None:
     for _ in range(args.loop_rounds):
         for loops in (1, 3):
             for lead in leads:  # baseline, lead, baseline, lead, ...: both see the same load
-                runs[loops, lead].append(bench_loops(args.schedules, loops, lead, args.relay))
+                runs[loops, lead].append(bench_loops(args.schedules, loops, lead, args.relays if args.relay else 0))
                 log(
                     f"{loops} scheduler loop(s), lead_ms={lead}: {runs[loops, lead][-1]} (load {os.getloadavg()[0]:.1f})"
                 )
