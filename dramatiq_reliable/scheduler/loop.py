@@ -298,13 +298,14 @@ class Scheduler:
             self._check(conn)
             # In UTC: the session's TimeZone (or the clock's zone) must not turn shifts into wall-clock arithmetic.
             moment = (now if now is not None else self._now(conn)).astimezone(dt.timezone.utc)
+            ahead_until = moment + dt.timedelta(milliseconds=self.lead_ms)
             rows = (
                 conn.cursor(row_factory=dict_row)
                 .execute(
                     _sql.query("schedule_claim", self.schema),
                     {
                         "now": moment,
-                        "ahead": moment + dt.timedelta(milliseconds=self.lead_ms),
+                        "ahead": ahead_until,
                         "batch_size": self.batch_size,
                     },
                 )
@@ -322,7 +323,8 @@ class Scheduler:
                 item = Schedule.from_row(row)
                 # Claimed ahead (overlap="allow", due within lead_ms): planned as at its fire
                 # time, which fires exactly that one tick, not late, whatever the missed policy.
-                ahead = row["next_fire_at"] > moment
+                # A row claimed for its buffered tick (overlap="buffer") is never written ahead.
+                ahead = item.overlap == "allow" and moment < row["next_fire_at"] <= ahead_until
                 decision = plan(
                     item,
                     next_fire_at=row["next_fire_at"],

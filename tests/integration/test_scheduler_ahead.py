@@ -84,6 +84,20 @@ def test_a_skip_policy_tick_is_not_written_ahead(make_loop, db_schema, db):
     assert _rows(db, db_schema, "outbox", "message_id") == []
 
 
+def test_a_buffered_tick_is_fired_but_the_buffer_policys_next_tick_is_not_written_ahead(make_loop, db_schema, db):
+    loop = make_loop(db_schema, _registry(overlap="buffer"))
+    loop.sync()
+    fire_at = _due_in(db, db_schema, loop)
+    buffered_at = fire_at - dt.timedelta(milliseconds=INTERVAL_MS)
+    db.execute(
+        sql.SQL("UPDATE {} SET buffered_fire_at = %s").format(sql.Identifier(db_schema, "schedules")), (buffered_at,)
+    )
+    result = loop.tick_once()
+    assert (result.claimed, result.fired) == (1, 1)
+    assert _rows(db, db_schema, "schedule_ticks", "fire_at, reason") == [(buffered_at, None)]
+    assert _rows(db, db_schema, "schedules", "next_fire_at") == [(fire_at,)]
+
+
 def test_pause_takes_back_a_tick_written_ahead_and_resume_writes_it_again_once(make_loop, database_url, db_schema, db):
     loop = make_loop(db_schema, _registry())
     loop.sync()
