@@ -11,6 +11,7 @@ from dramatiq.message import Message
 from psycopg import sql
 
 from dramatiq_reliable import ConfigurationError
+from dramatiq_reliable.cli import ExitCode, main
 from dramatiq_reliable.scheduler import Registry, Scheduler, schedule, tick_message_id
 from dramatiq_reliable.scheduler.admin import pause_schedule, resume_schedule
 
@@ -188,3 +189,13 @@ def test_lead_ms_is_refused_with_the_queue_target_and_when_negative(database_url
         Scheduler(database=database_url, target="queue", lead_ms=2000)
     with pytest.raises(ConfigurationError, match="lead_ms"):
         Scheduler(database=database_url, lead_ms=-1)
+
+
+def test_schedules_list_shows_a_tick_written_ahead_as_a_run_to_come(make_loop, database_url, db_schema, db, capsys):
+    loop = make_loop(db_schema, _registry())
+    loop.sync()
+    _due_in(db, db_schema, loop, seconds=20)
+    assert loop.tick_once().fired == 1
+    assert main(["schedules", "list", "--database-url", database_url, "--schema", db_schema]) == ExitCode.OK
+    (line,) = capsys.readouterr().out.splitlines()[1:]
+    assert " in " in line and "ago" not in line and "enqueued (ahead)" in line
