@@ -1,6 +1,7 @@
 """Scheduler and singleton benchmark: how fast due ticks reach the outbox, and what a lease costs.
 
     python benchmarks/scheduler.py [--schedules 10000] [--messages 2000] [--rounds 3] [--loop-rounds 2]
+                                   [--lead-ms 2000]
 
 1. ``--schedules`` schedules (every 20 s) are all due at the same second F.  One, then three scheduler loops
    (the library's ``Scheduler``, each in a process of its own so the GIL is not what is measured)
@@ -10,7 +11,17 @@
    the commit that made the tick visible to a relay (what a consumer waits for; a pass's
    ticks all become visible at its commit).  Every tick must reach the outbox exactly once.
    ``--loop-rounds`` rounds alternate 1 loop and 3 loops; medians are reported, with the
-   ``_spread`` [min, max] of the p99 over the rounds.
+   ``_spread`` [min, max] of the p99 over the rounds.  The schedules are ``overlap="allow"``.
+   Each round runs twice, interleaved: with ``lead_ms=0`` (the baseline: ticks written once
+   due, as before firing ahead) and with ``--lead-ms`` (ticks written up to that long before F,
+   due at F: the loops start ``--lead-ms`` before F).  For a tick written ahead both lags are
+   taken to when its row is due and visible: the later of its commit (or ``created_at``) and F.
+   The keys without a suffix are the runs with the lead; ``_lead0`` are the baseline's.
+   With ``--relay`` a ``Relay`` process publishes to RabbitMQ (``RABBITMQ_URL``) during each run,
+   started with the loops: ``lag_publish_p99_ms`` is F to the row's ``published_at`` (the relay
+   transaction's start, which claims and publishes the batch: a consumer-visible lag, short by
+   that batch's publish and confirm).  This is the figure a consumer sees.  ``--relays N`` runs N
+   relay processes (SKIP LOCKED shares the rows).
 2. One actor doing one INSERT, run ``--messages`` times by a one-thread worker on a StubBroker,
    with ``singleton=True`` under the ``Singleton`` middleware and, in the same run, as a plain
    actor, interleaved over ``--rounds`` rounds (plain, singleton, plain, ...: both see the same
@@ -40,18 +51,20 @@ import uuid
 from typing import Any
 
 import dramatiq
+import pika
 import psycopg
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import Callbacks
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from dramatiq_reliable import Database, Idempotency, Singleton, _sql, job_connection, migrate
+from dramatiq_reliable import Database, Idempotency, Relay, Singleton, _sql, job_connection, migrate
 from dramatiq_reliable.scheduler import Registry, Schedule, Scheduler
 
 # Long enough that the tick after F is not due before every loop is done, short enough to wait for.
 _INTERVAL_S = 20
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 
 
 def log(text: str) -> None:
@@ -75,9 +88,11 @@ def _percentile(values: list[float], fraction: float) -> float:
 # -- part 1: scheduler loops --------------------------------------------------------------------
 
 
-def _loop(schema: str, start_at: float, done: Any) -> None:
-    """One scheduler process: warm up, wait for F, then fire until nothing is left to claim."""
-    scheduler = Scheduler(database=Database(url=DATABASE_URL, max_size=2), schema=schema, registry=Registry())
+def _loop(schema: str, start_at: float, done: Any, lead_ms: int) -> None:
+    """One scheduler process: warm up, wait for F (less the lead), then fire until nothing is left to claim."""
+    scheduler = Scheduler(
+        database=Database(url=DATABASE_URL, max_size=2), schema=schema, registry=Registry(), lead_ms=lead_ms
+    )
     scheduler.tick_once()  # opens the pool and checks the schema; nothing is due yet
     time.sleep(max(0.0, start_at - time.time()))
     empty = 0
@@ -90,39 +105,92 @@ def _loop(schema: str, start_at: float, done: Any) -> None:
     scheduler.close()
 
 
-def bench_loops(schedules: int, loops: int) -> dict[str, float]:
+def _relay(schema: str, stop: Any) -> None:
+    """A relay process publishing the run's ticks to RabbitMQ until ``stop`` is set."""
+    relay = Relay(rabbitmq_url=RABBITMQ_URL, database=Database(url=DATABASE_URL, max_size=2), schema=schema)
+    threading.Thread(target=lambda: (stop.wait(), relay.stop()), daemon=True).start()
+    relay.run()
+
+
+def _delete_queue(queue: str) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+    try:
+        channel = connection.channel()
+        for name in (queue, f"{queue}.DQ", f"{queue}.XQ"):
+            channel.queue_delete(name)
+    finally:
+        connection.close()
+
+
+def bench_loops(schedules: int, loops: int, lead_ms: int, relays: int = 0) -> dict[str, float]:
     schema = _schema()
+    queue = f"{schema}_q"
     try:
         migrate(DATABASE_URL, schema=schema)
         registry = Registry()
         for n in range(schedules):
             registry.add(
-                Schedule(name=f"s{n}", actor_name="tick", queue_name="bench", every_ms=int(_INTERVAL_S * 1000))
+                Schedule(
+                    name=f"s{n}",
+                    actor_name="tick",
+                    queue_name=queue,
+                    every_ms=int(_INTERVAL_S * 1000),
+                    overlap="allow",
+                )
             )
         Scheduler(database=DATABASE_URL, schema=schema, registry=registry).sync()
         with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
             row = conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()
             # Interval ticks fall on multiples of the interval: F is the first one at least 2 s away.
-            fire_at = float(math.ceil((float(row[0]) + 2) / _INTERVAL_S) * _INTERVAL_S)  # type: ignore[index]
+            lead_s = lead_ms / 1000
+            fire_at = float(math.ceil((float(row[0]) + 2 + lead_s) / _INTERVAL_S) * _INTERVAL_S)  # type: ignore[index]
             conn.execute(
                 sql.SQL("UPDATE {} SET next_fire_at = to_timestamp(%s)").format(sql.Identifier(schema, "schedules")),
                 (fire_at,),
             )
         context = multiprocessing.get_context("spawn")
         done = context.Queue()
-        processes = [context.Process(target=_loop, args=(schema, fire_at, done)) for _ in range(loops)]
-        for process in processes:
+        processes = [
+            context.Process(target=_loop, args=(schema, fire_at - lead_s, done, lead_ms)) for _ in range(loops)
+        ]
+        stop_relay = context.Event()
+        relayers = [context.Process(target=_relay, args=(schema, stop_relay)) for _ in range(relays)]
+        for process in [*processes, *relayers]:
             process.start()
         reports = [done.get(timeout=600) for _ in processes]
         for process in processes:
             process.join()
+        publish_lags: list[float] = []
+        if relayers:
+            with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+                count = sql.SQL("SELECT count(*) FROM {} WHERE published_at IS NULL").format(
+                    sql.Identifier(schema, "outbox")
+                )
+                deadline = time.monotonic() + 300
+                while conn.execute(count).fetchone()[0] and time.monotonic() < deadline:  # type: ignore[index]
+                    time.sleep(0.1)
+                publish_lags = [
+                    float(r[0]) * 1000
+                    for r in conn.execute(
+                        sql.SQL("SELECT extract(epoch FROM published_at) - %s FROM {}").format(
+                            sql.Identifier(schema, "outbox")
+                        ),
+                        (fire_at,),
+                    ).fetchall()
+                ]
+            stop_relay.set()
+            for relayer in relayers:
+                relayer.join(timeout=30)
         finished = [end for end, _ in reports]
-        commit_lags = [(at - fire_at) * 1000 for _, passes in reports for at, fired in passes for _ in range(fired)]
+        # A tick written ahead is visible to a relay at the later of its commit and its due time F.
+        commit_lags = [
+            (max(at, fire_at) - fire_at) * 1000 for _, passes in reports for at, fired in passes for _ in range(fired)
+        ]
         with psycopg.connect(DATABASE_URL) as conn:
             lags = [
                 float(r[0]) * 1000
                 for r in conn.execute(
-                    sql.SQL("SELECT extract(epoch FROM created_at) - %s FROM {}").format(
+                    sql.SQL("SELECT extract(epoch FROM greatest(created_at, available_at)) - %s FROM {}").format(
                         sql.Identifier(schema, "outbox")
                     ),
                     (fire_at,),
@@ -133,7 +201,7 @@ def bench_loops(schedules: int, loops: int) -> dict[str, float]:
             ).fetchone()
         if len(lags) != schedules or distinct is None or distinct[0] != schedules:
             raise SystemExit(f"{loops} loop(s) wrote {len(lags)} outbox rows for {schedules} ticks: not exactly once")
-        elapsed = max(finished) - fire_at
+        elapsed = max(finished) - (fire_at - lead_s)
         return {
             "ticks_per_s": round(schedules / elapsed, 1),
             "lag_p50_ms": round(statistics.median(lags), 1),
@@ -142,9 +210,19 @@ def bench_loops(schedules: int, loops: int) -> dict[str, float]:
             "lag_commit_p99_ms": round(_percentile(commit_lags, 0.99), 1),
             # created_at is the firing transaction's start: this is when the last tick was committed
             "all_fired_ms": round(elapsed * 1000, 1),
+            **(
+                {
+                    "lag_publish_p50_ms": round(statistics.median(publish_lags), 1),
+                    "lag_publish_p99_ms": round(_percentile(publish_lags, 0.99), 1),
+                }
+                if publish_lags
+                else {}
+            ),
         }
     finally:
         _drop(schema)
+        if relays:
+            _delete_queue(queue)
 
 
 # -- part 2: singleton overhead -----------------------------------------------------------------
@@ -250,29 +328,38 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the singleton part")
     parser.add_argument("--loop-rounds", type=int, default=2, help="rounds of 1 loop then 3 loops")
     parser.add_argument("--singleton-only", action="store_true", help="run the singleton part alone")
+    parser.add_argument("--lead-ms", type=int, default=2000, help="the scheduler's lead_ms (0 runs only the baseline)")
+    parser.add_argument("--relay", action="store_true", help="also measure the lag to the relay's publish")
+    parser.add_argument("--relays", type=int, default=1, help="relay processes with --relay")
+    parser.add_argument("--skip-singleton", action="store_true", help="only the scheduler part")
     args = parser.parse_args()
     if args.singleton_only:
         single = bench_singleton(args.messages, args.rounds)
         log(f"singleton actor vs plain (1 worker thread, {args.messages} messages, {args.rounds} rounds)")
         print(json.dumps(single), flush=True)
         return
-    runs: dict[int, list[dict[str, float]]] = {1: [], 3: []}
+    leads = [0, args.lead_ms] if args.lead_ms else [0]
+    runs: dict[tuple[int, int], list[dict[str, float]]] = {(n, lead): [] for n in (1, 3) for lead in leads}
     for _ in range(args.loop_rounds):
         for loops in (1, 3):
-            runs[loops].append(bench_loops(args.schedules, loops))
-            log(f"{loops} scheduler loop(s): {runs[loops][-1]}")
-    single = bench_singleton(args.messages, args.rounds)
+            for lead in leads:  # baseline, lead, baseline, lead, ...: both see the same load
+                runs[loops, lead].append(bench_loops(args.schedules, loops, lead, args.relays if args.relay else 0))
+                log(
+                    f"{loops} scheduler loop(s), lead_ms={lead}: {runs[loops, lead][-1]} (load {os.getloadavg()[0]:.1f})"
+                )
+    single = {} if args.skip_singleton else bench_singleton(args.messages, args.rounds)
     log(f"singleton actor vs plain (1 worker thread, {args.messages} messages, {args.rounds} rounds): {single}")
 
-    def median(loops: int, key: str) -> float:
-        return round(statistics.median(run[key] for run in runs[loops]), 1)
+    def median(loops: int, key: str, lead: int = args.lead_ms) -> float:
+        return round(statistics.median(run[key] for run in runs[loops, lead]), 1)
 
-    def spread(loops: int, key: str) -> list[float]:
-        values = [run[key] for run in runs[loops]]
+    def spread(loops: int, key: str, lead: int = args.lead_ms) -> list[float]:
+        values = [run[key] for run in runs[loops, lead]]
         return [min(values), max(values)]
 
     result = {
         "schedules": args.schedules,
+        "lead_ms": args.lead_ms,
         "ticks_per_s_1": median(1, "ticks_per_s"),
         "ticks_per_s_3": median(3, "ticks_per_s"),
         "ticks_ratio_3_to_1": round(median(3, "ticks_per_s") / median(1, "ticks_per_s"), 3),
@@ -286,6 +373,23 @@ def main() -> None:
         "lag_commit_p99_ms": median(3, "lag_commit_p99_ms"),
         "all_fired_ms_1": median(1, "all_fired_ms"),
         "all_fired_ms_3": median(3, "all_fired_ms"),
+        "lag_p99_ms_1_lead0": median(1, "lag_p99_ms", 0),
+        "lag_p99_ms_lead0": median(3, "lag_p99_ms", 0),
+        "lag_p99_ms_lead0_spread": spread(3, "lag_p99_ms", 0),
+        "lag_commit_p99_ms_1_lead0": median(1, "lag_commit_p99_ms", 0),
+        "lag_commit_p99_ms_lead0": median(3, "lag_commit_p99_ms", 0),
+        **(
+            {
+                "lag_publish_p99_ms_1": median(1, "lag_publish_p99_ms"),
+                "lag_publish_p99_ms": median(3, "lag_publish_p99_ms"),
+                "lag_publish_p99_ms_spread": spread(3, "lag_publish_p99_ms"),
+                "lag_publish_p99_ms_1_lead0": median(1, "lag_publish_p99_ms", 0),
+                "lag_publish_p99_ms_lead0": median(3, "lag_publish_p99_ms", 0),
+            }
+            if args.relay
+            else {}
+        ),
+        "load_1m": round(os.getloadavg()[0], 1),
         **single,
     }
     print(json.dumps(result), flush=True)

@@ -81,6 +81,14 @@ def register(
         metavar="DURATION",
         help="longest sleep between passes",
     )
+    parser.add_argument(
+        "--lead",
+        type=Duration(minimum_ms=0),
+        default="0s",
+        metavar="DURATION",
+        help="write the ticks of overlap='allow' schedules this long before their fire time, due then "
+        "(outbox only; see docs/scheduling.md)",
+    )
     parser.add_argument("--once", action="store_true", help="sync, run one pass, print what it did and exit")
     # A long-running process's log is its output: INFO unless asked otherwise.
     parser.set_defaults(handler=_scheduler, log_level=logging.INFO)
@@ -100,6 +108,7 @@ def _scheduler(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             poll_interval_ms=args.poll_interval,
             target=target,
+            lead_ms=args.lead,
         )
         # At start, fail fast and say why (unreachable, not migrated); later outages are waited out.
         changed, disabled = scheduler.sync()

@@ -122,7 +122,7 @@ def _list(args: argparse.Namespace) -> int:
                 row.tz,
                 _local(row, row.next_fire_at),
                 _utc(row.next_fire_at),
-                "-" if row.last_fire_at is None else f"{output.ago(row.last_fire_at, now)} ago",
+                _last_run(row.last_fire_at, now),
                 _outcome(row),
                 _state(row),
             ]
@@ -212,3 +212,12 @@ def _state(row: ScheduleStatus) -> str:
     if not row.enabled:
         return "disabled"
     return "paused" if row.paused else "active"
+
+
+def _last_run(last_fire_at: dt.datetime | None, now: dt.datetime) -> str:
+    """``4.0s ago``; a tick written ahead (``lead_ms``), not due yet, is ``in 1.5s``."""
+    if last_fire_at is None:
+        return "-"
+    if last_fire_at > now:
+        return f"in {output.age((last_fire_at - now).total_seconds())}"
+    return f"{output.ago(last_fire_at, now)} ago"

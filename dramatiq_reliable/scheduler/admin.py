@@ -4,7 +4,8 @@ The functions the ``schedules`` command and the web page call, so both act the s
 is one short transaction on the ``schedules`` row (locked ``FOR UPDATE``), so it never races a
 scheduler loop: a loop that holds the row is waited for, and one that comes later sees the change.
 
-- *pause* keeps the row out of every loop's claim until *resume*; a buffered tick is dropped.
+- *pause* keeps the row out of every loop's claim until *resume*; a buffered tick is dropped, and
+  so is a tick written ahead (``lead_ms``) that is not due yet (its outbox row and tick row).
 - *resume* recomputes ``next_fire_at`` from the database clock: the ticks that fell while the
   schedule was paused are never fired, whatever its missed-tick policy.
 - *trigger* fires one run now, through the outbox, with a tick row (reason ``manual``) in the
@@ -32,7 +33,7 @@ from ..backing import SENDS_TO, SendsTo, sends_to_of_schema, target_unknown
 from ..database import Database, DatabaseLike
 from ..errors import ScheduleDisabled, ScheduleNotFound
 from ..outbox.wake import wake_relays
-from .loop import add_tick, empty_ticks, tick_message, tick_message_id
+from .loop import add_tick, empty_ticks, retract_ahead, tick_message, tick_message_id
 from .spec import Schedule, explain
 
 __all__ = ["ScheduleStatus", "list_schedules", "pause_schedule", "resume_schedule", "trigger_schedule"]
@@ -137,6 +138,8 @@ def pause_schedule(database: DatabaseLike, name: str, *, schema: str = _sql.DEFA
         _check(conn, schema_name)
         _get(conn, schema_name, name)
         _set_paused(conn, schema_name, name, paused=True, next_fire_at=None)
+        # A tick written ahead (lead_ms) and not yet due must not fire: taken back with the pause.
+        retract_ahead(conn, schema_name, [name])
     return list_schedules(database, schema=schema_name, name=name)[0]
 
 
@@ -197,6 +200,8 @@ def trigger_schedule(
         add_tick(params, item, fire_at, message_id, "enqueued", "manual", body)
         if target == "outbox":
             del params["priorities"]
+        else:
+            del params["available_ats"]
         statement = "schedule_fire_queue" if target == "queue" else "schedule_fire"
         written = conn.execute(_sql.query(statement, schema_name), params).rowcount
         if written == 1:

@@ -5,6 +5,14 @@ There is no leader.  Any number of loops (processes or threads) claim due rows w
 the tick row and the advanced ``next_fire_at`` commit together or not at all, so a loop killed
 at any point loses and doubles nothing: the next loop finds the row still due, or already moved
 on.  The database clock decides what is due, so hosts with skewed clocks agree.
+
+With ``lead_ms`` (outbox target only), a schedule whose overlap policy is ``"allow"`` is claimed
+up to ``lead_ms`` before its fire time and its tick is written *ahead*: the outbox row's
+``available_at`` is the fire time, so the relay publishes it when due, however long the pass
+took.  The other policies decide at the fire time from the run state then (is the last run still
+going?), so their ticks are written only once due.  A tick written ahead has reason ``"ahead"``;
+pausing, disabling or redefining its schedule before the fire time takes it back (its outbox row
+and tick row) in the same transaction as the change.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from .._checks import check_choice, check_int, check_ms, is_int
 from .._util import first_line, redact
 from ..backing import SENDS_TO, SendsTo, backing_of
 from ..database import Database, DatabaseLike
-from ..errors import SchemaNotReady
+from ..errors import ConfigurationError, SchemaNotReady
 from ..outbox.wake import wake_relays
 from .policies import plan
 from .registry import Registry, default_registry
@@ -120,6 +128,11 @@ class Scheduler:
       clock: a :class:`SchedulerClock` to read the time from and wait on (simulations and
         tests); by default the database clock decides what is due, so hosts with skewed clocks
         agree.
+      lead_ms: how long before its fire time an ``overlap="allow"`` schedule's tick is written
+        to the outbox, due at the fire time (0: only once due).  A pass over many schedules
+        takes time; writing ahead makes the relay, not the pass, decide when the message goes
+        out, so ticks are on time when thousands fall due at once.  Only with
+        ``target="outbox"`` (not yet with ``PostgresBroker``); see ``docs/scheduling.md``.
 
     >>> scheduler = Scheduler(database="postgresql://app@localhost/app")   # doctest: +SKIP
     >>> scheduler.sync(); scheduler.run()                                    # doctest: +SKIP
@@ -135,8 +148,16 @@ class Scheduler:
         poll_interval_ms: int = 1000,
         target: SendsTo = "outbox",
         clock: SchedulerClock | None = None,
+        lead_ms: int = 0,
     ) -> None:
         check_choice("target", target, SENDS_TO, fix="or build it with Scheduler.from_broker(broker)")
+        check_ms("lead_ms", lead_ms, minimum=0, fix="pass e.g. lead_ms=2000, or 0 to write ticks only once due")
+        if lead_ms and target != "outbox":
+            raise ConfigurationError(
+                f"lead_ms={lead_ms!r} needs target='outbox' (only the outbox's relay publishes a tick written "
+                f"ahead at its fire time, and only there is it taken back by a pause); pass lead_ms=0 with "
+                f"target={target!r}"
+            )
         check_int("batch_size", batch_size, minimum=1, fix="pass e.g. batch_size=500")
         check_ms("poll_interval_ms", poll_interval_ms, minimum=1, fix="pass e.g. poll_interval_ms=1000")
         self.database = Database.of(database)
@@ -148,6 +169,7 @@ class Scheduler:
         self.poll_interval_s = poll_interval_ms / 1000
         self.target: SendsTo = target
         self.clock = clock
+        self.lead_ms = lead_ms
         self._stop = threading.Event()
         self._checked = False
 
@@ -160,11 +182,12 @@ class Scheduler:
         batch_size: int = 500,
         poll_interval_ms: int = 1000,
         clock: SchedulerClock | None = None,
+        lead_ms: int = 0,
     ) -> Scheduler:
         """A scheduler on the broker's database and schema, writing where that broker reads.
 
         ``PostgresBroker``: ticks go into its queue table; ``OutboxBroker``: into the outbox.
-        The other arguments are as for the constructor.
+        The other arguments are as for the constructor (``lead_ms`` only with ``OutboxBroker``).
         """
         # The broker's Database is shared: close() leaves it open.
         backing = backing_of(broker, needed_by="Scheduler.from_broker()")
@@ -176,6 +199,7 @@ class Scheduler:
             batch_size=batch_size,
             poll_interval_ms=poll_interval_ms,
             clock=clock,
+            lead_ms=lead_ms,
         )
 
     # -- sync ---------------------------------------------------------------------------------
@@ -197,8 +221,14 @@ class Scheduler:
                 _sql.query("schedule_sync_lock", self.schema), {"key": f"dramatiq_reliable.schedules:{self.schema}"}
             )
             now = self._now(conn).astimezone(dt.timezone.utc)
+            stored = {
+                row["name"]: row
+                for row in conn.cursor(row_factory=dict_row)
+                .execute(_sql.query("schedule_timing", self.schema), {"names": [s.name for s in declared]})
+                .fetchall()
+            }
             for item in declared:
-                if self._sync_one(conn, item, now):
+                if self._sync_one(conn, item, now, stored.get(item.name)):
                     changed.append(item.name)
             # Every declared name, synced or not: a schedule that failed to sync keeps its row as it was.
             disabled = [
@@ -207,15 +237,22 @@ class Scheduler:
                 .execute(_sql.query("schedule_disable", self.schema), {"names": [s.name for s in declared]})
                 .fetchall()
             ]
+            if disabled:
+                retract_ahead(conn, self.schema, disabled)
         if disabled:
             logger.warning("schedules no longer declared in code were disabled: %s", ", ".join(disabled))
         return changed, disabled
 
-    def _sync_one(self, conn: psycopg.Connection[Any], item: Schedule, now: dt.datetime) -> bool:
+    def _sync_one(
+        self, conn: psycopg.Connection[Any], item: Schedule, now: dt.datetime, stored: dict[str, Any] | None
+    ) -> bool:
         """Upsert ``item``; True if its row changed.  A schedule that cannot be stored is logged and skipped.
 
         One bad schedule must not keep the process's other schedules from firing: its next fire
-        time is computed before any SQL, and its upsert runs in a savepoint of its own.
+        time is computed before any SQL, and its upsert runs in a savepoint of its own.  A changed
+        schedule's ticks written ahead under the old definition are taken back; when its timing
+        is unchanged (``stored``, the row before, has the same hash) it is rewound to fire them
+        again, with the new definition.
         """
         try:
             params = {
@@ -234,6 +271,17 @@ class Scheduler:
                     .execute(_sql.query("schedule_sync", self.schema), params)
                     .fetchone()
                 )
+                if row is not None:
+                    first = retract_ahead(conn, self.schema, [item.name]).get(item.name)
+                    timing_kept = (
+                        stored is not None
+                        and stored["enabled"]
+                        and stored["definition_hash"] == params["definition_hash"]
+                    )
+                    if first is not None and timing_kept:
+                        conn.execute(
+                            _sql.query("schedule_rewind", self.schema), {"name": item.name, "first_fire_at": first}
+                        )
         except (psycopg.DataError, psycopg.IntegrityError) as error:  # refused by the table; others go on
             _log_unsynced(item, error)
             return False
@@ -250,9 +298,17 @@ class Scheduler:
             self._check(conn)
             # In UTC: the session's TimeZone (or the clock's zone) must not turn shifts into wall-clock arithmetic.
             moment = (now if now is not None else self._now(conn)).astimezone(dt.timezone.utc)
+            ahead_until = moment + dt.timedelta(milliseconds=self.lead_ms)
             rows = (
                 conn.cursor(row_factory=dict_row)
-                .execute(_sql.query("schedule_claim", self.schema), {"now": moment, "batch_size": self.batch_size})
+                .execute(
+                    _sql.query("schedule_claim", self.schema),
+                    {
+                        "now": moment,
+                        "ahead": ahead_until,
+                        "batch_size": self.batch_size,
+                    },
+                )
                 .fetchall()
             )
             if not rows:
@@ -265,17 +321,32 @@ class Scheduler:
             stamp_ms = int(moment.timestamp() * 1000)
             for row in rows:
                 item = Schedule.from_row(row)
+                # Claimed ahead (overlap="allow", due within lead_ms): planned as at its fire
+                # time, which fires exactly that one tick, not late, whatever the missed policy.
+                # A row claimed for its buffered tick (overlap="buffer") is never written ahead.
+                ahead = item.overlap == "allow" and moment < row["next_fire_at"] <= ahead_until
                 decision = plan(
                     item,
                     next_fire_at=row["next_fire_at"],
                     buffered_fire_at=row["buffered_fire_at"],
                     busy=bool(row["busy"]),
-                    now=moment,
+                    now=row["next_fire_at"] if ahead else moment,
                 )
                 for fire_at in decision.fire:
                     message_id = tick_message_id(self.schema, item.name, fire_at)
-                    body = tick_message(item, fire_at, message_id, stamp_ms).encode()
-                    add_tick(fire, item, fire_at, message_id, "enqueued", None, body)
+                    # Written ahead: stamped with its fire time, so max_age counts from when it is due.
+                    stamp = int(fire_at.timestamp() * 1000) if ahead else stamp_ms
+                    body = tick_message(item, fire_at, message_id, stamp).encode()
+                    add_tick(
+                        fire,
+                        item,
+                        fire_at,
+                        message_id,
+                        "enqueued",
+                        "ahead" if ahead else None,
+                        body,
+                        available_at=fire_at if ahead else None,
+                    )
                     fired += 1
                 for fire_at, reason in decision.skipped:
                     add_tick(
@@ -295,6 +366,7 @@ class Scheduler:
                 advance["last_fire_ats"].append(decision.fire[-1] if decision.fire else None)
             if fire["names"]:
                 if self.target == "queue":
+                    del fire["available_ats"]
                     conn.execute(_sql.query("schedule_fire_queue", self.schema), fire)
                 else:
                     del fire["priorities"]
@@ -365,7 +437,7 @@ class Scheduler:
             now = self.clock.now() if self.clock is not None else None
             row = (
                 conn.cursor(row_factory=dict_row)
-                .execute(_sql.query("schedule_next_due", self.schema), {"now": now})
+                .execute(_sql.query("schedule_next_due", self.schema), {"now": now, "lead_ms": self.lead_ms})
                 .fetchone()
             )
             conn.rollback()
@@ -417,6 +489,7 @@ def empty_ticks() -> dict[str, list[Any]]:
             "actor_names",
             "bodies",
             "priorities",
+            "available_ats",
         )
     }
 
@@ -429,6 +502,8 @@ def add_tick(
     state: str,
     reason: str | None,
     body: bytes,
+    *,
+    available_at: dt.datetime | None = None,
 ) -> None:
     fire["names"].append(item.name)
     fire["fire_ats"].append(fire_at)
@@ -438,8 +513,23 @@ def add_tick(
     fire["queue_names"].append(q_name(item.queue_name))
     fire["actor_names"].append(item.actor_name)
     fire["bodies"].append(body)
+    fire["available_ats"].append(available_at)  # None: due now
     priority = item.options.get("broker_priority")
     fire["priorities"].append(priority if is_int(priority) else 0)
+
+
+def retract_ahead(conn: psycopg.Connection[Any], schema_name: str, names: list[str]) -> dict[str, dt.datetime]:
+    """Take back the not-yet-due ticks written ahead of ``names``; return each one's earliest retracted fire time.
+
+    Runs in the caller's transaction, which holds (or changes) the schedules' rows: a loop
+    writing ahead holds the row until its commit, so nothing is written ahead after this.
+    """
+    rows = (
+        conn.cursor(row_factory=dict_row)
+        .execute(_sql.query("schedule_retract_ahead", schema_name), {"names": names})
+        .fetchall()
+    )
+    return {row["schedule_name"]: row["first_fire_at"] for row in rows}
 
 
 def _log_unsynced(item: Schedule, error: BaseException) -> None:

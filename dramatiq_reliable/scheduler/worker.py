@@ -30,8 +30,9 @@ class WorkerScheduler(Middleware):
 
     Parameters:
       stop_timeout_ms: how long worker shutdown waits for the pass in hand.
-      registry, batch_size, poll_interval_ms: as for :class:`Scheduler`; database, schema and
-        target come from the broker (``Scheduler.from_broker``).
+      registry, batch_size, poll_interval_ms, lead_ms: as for :class:`Scheduler`; database,
+        schema and target come from the broker (``Scheduler.from_broker``; ``lead_ms`` needs an
+        ``OutboxBroker``).
 
     >>> broker.add_middleware(WorkerScheduler())      # doctest: +SKIP
     """
@@ -43,11 +44,14 @@ class WorkerScheduler(Middleware):
         registry: Registry | None = None,
         batch_size: int = 500,
         poll_interval_ms: int = 1000,
+        lead_ms: int = 0,
     ) -> None:
         check_ms("stop_timeout_ms", stop_timeout_ms, minimum=1, fix="pass e.g. stop_timeout_ms=10_000")
         # Checked here, at start-up, rather than in the worker thread at boot.
         check_int("batch_size", batch_size, minimum=1, fix="pass e.g. batch_size=500")
         check_ms("poll_interval_ms", poll_interval_ms, minimum=1, fix="pass e.g. poll_interval_ms=1000")
+        check_ms("lead_ms", lead_ms, minimum=0, fix="pass e.g. lead_ms=2000, or 0 to write ticks only once due")
+        self.lead_ms = lead_ms
         self.stop_timeout_ms = stop_timeout_ms
         self.registry = registry
         self.batch_size = batch_size
@@ -58,7 +62,11 @@ class WorkerScheduler(Middleware):
     def after_worker_boot(self, broker: Broker, worker: Any) -> None:
         try:
             self.scheduler = Scheduler.from_broker(
-                broker, registry=self.registry, batch_size=self.batch_size, poll_interval_ms=self.poll_interval_ms
+                broker,
+                registry=self.registry,
+                batch_size=self.batch_size,
+                poll_interval_ms=self.poll_interval_ms,
+                lead_ms=self.lead_ms,
             )
         except ReliableError as error:
             logger.error("%s; no scheduler runs in this worker", error)
