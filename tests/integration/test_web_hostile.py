@@ -81,6 +81,7 @@ ROUTES: dict[tuple[str, str], list[str]] = {
     ("POST", "/jobs/cancel"): [f"={name}" for name in ("id", "reason", "confirm", "junk")] + ["header:origin"],
     ("GET", "/batches"): ["?state", "?junk"],
     ("GET", "/batches/show"): ["?id", "?state", "?junk"],
+    ("POST", "/batches/cancel"): [f"={name}" for name in ("id", "reason", "confirm", "junk")] + ["header:origin"],
     ("GET", "/workflows"): ["?state", "?junk"],
     ("GET", "/workflows/show"): ["?id", "?junk"],
     ("POST", "/workflows/cancel"): [f"={name}" for name in ("id", "reason", "confirm", "junk")] + ["header:origin"],
