@@ -41,8 +41,11 @@ DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5
 #: PgBouncer in transaction mode started by the session; ``direct_database_url`` stays direct.
 THROUGH_PGBOUNCER = os.environ.get("THROUGH_PGBOUNCER", "") == "1"
 #: The loopback ports the session's PgBouncer may take (the first free one), so a pooler left
-#: running by a killed run is easy to find.
-PGBOUNCER_PORTS = range(6440, 6450)
+#: running by a killed run is easy to find.  Under pytest-xdist (``make test-alt -n 2``) each
+#: worker process has a session of its own and a PgBouncer of its own: worker gwN takes from
+#: its own slice, so two workers starting at once never race for one port.
+_XDIST_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+PGBOUNCER_PORTS = range(6440 + 10 * _XDIST_WORKER, 6450 + 10 * _XDIST_WORKER)
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
