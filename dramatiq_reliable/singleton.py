@@ -483,8 +483,11 @@ class Singleton(Middleware):
             mine = next((i for i, m in enumerate(middleware) if m is self), None)
             for later in middleware[(len(middleware) if mine is None else mine + 1) :]:
                 if isinstance(later, Idempotency) and later.store is None:
-                    # The lock must be in the transaction of the database holding the leases.
-                    if later.database_for(broker) == self.database_for(broker):
+                    # The lock must be in the transaction of the database holding the leases: the
+                    # same pool, or two pools on the same conninfo (Singleton(database=URL) and
+                    # Idempotency(database=URL) built apart), in the same schema.
+                    (theirs, their_schema), (ours, our_schema) = later.database_for(broker), self.database_for(broker)
+                    if their_schema == our_schema and (theirs is ours or theirs.conninfo == ours.conninfo):
                         found = later
                     break
             self._idempotency[id(broker)] = found

@@ -184,3 +184,26 @@ def test_job_transaction_false_keeps_the_autocommit_lease(broker, queue_name, wo
     wait_for(lambda: leases, message="the run never started")
     assert not leases[0].in_transaction
     wait_for(lambda: _lease_row(db, db_schema, nightly.actor_name) is None, message="the lease was not released")
+
+
+def test_two_pools_on_the_same_url_still_take_the_key_in_the_job_transaction(
+    broker, queue_name, worker, database_url, db_schema
+):
+    # Singleton(database=URL) and Idempotency(database=URL) built apart hold two pools on one
+    # database: the key is still a lock of the job's transaction, not an autocommit lease.
+    broker.add_middleware(Singleton(retry_delay_ms=100, database=database_url, schema=db_schema), before=Callbacks)
+    broker.add_middleware(Idempotency(database=database_url, schema=db_schema), before=Callbacks)
+    broker.add_middleware(WorkerRelay(poll_interval_ms=50))
+    leases: list[Lease] = []
+
+    @dramatiq.actor(queue_name=queue_name, broker=broker, singleton=True)
+    def nightly() -> None:
+        lease = current_lease()
+        assert lease is not None
+        job_connection().execute("SELECT 1")
+        leases.append(lease)
+
+    worker.start()
+    nightly.send()
+    wait_for(lambda: leases, message="the run never started")
+    assert leases[0].in_transaction
