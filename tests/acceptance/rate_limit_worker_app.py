@@ -25,6 +25,9 @@ broker = PostgresBroker(
     database=DATABASE_URL,
     schema=SCHEMA,
     lease_ms=5000,
+    # Idle consumers poll at least this often, so both processes race for every postponed job
+    # as it falls due (with the default 250 ms the busy one, probing fast, takes nearly all).
+    poll_interval_ms=20,
     middleware=build_middleware(retries=ClassifiedRetries(max_retries=0), middleware=[limits]),
 )
 dramatiq.set_broker(broker)

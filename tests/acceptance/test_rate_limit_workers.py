@@ -23,8 +23,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.acceptance]
 APP = Path(__file__).with_name("rate_limit_worker_app.py")
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "flow_control.py"
 RATE = 20
-#: How late a postponed job may start after its slot: the consumers poll for rows whose eta
-#: passed every worker_timeout (100 ms in worker_apps), so calls may bunch by that much.
+#: How late a postponed job may start after its slot: an idle consumer polls for rows whose eta
+#: passed every poll_interval_ms (20 ms in the app) and a worker thread takes it within
+#: worker_timeout (100 ms in worker_apps), so calls may bunch by that much.
 POLL_S = 0.1
 
 
