@@ -17,7 +17,7 @@ from ..database import Database
 from ..dead_letters.validators import check_by
 from ..workflows import BatchCancel, BatchStatus, batch_status, cancel_batch
 from . import output
-from .common import add_action, add_cancel_arguments, add_json, cancel_one, report_cancel, show_one
+from .common import add_cancel, add_command, add_show, cancel_one, report_cancel, show_one
 
 __all__ = ["register"]
 
@@ -27,32 +27,28 @@ def register(
     parents: Sequence[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
     """Add ``batches show`` and ``batches cancel``; ``parents`` supply ``--database-url`` and ``--schema``."""
-    parser = subparsers.add_parser(
+    parser, actions = add_command(
+        subparsers,
         "batches",
         help="the progress of a batch by id; cancel it",
         description="Batches of children with one completion callback: how many are done, dead, pending.",
     )
-    actions = parser.add_subparsers(dest="batches_command", required=True, metavar="ACTION")
-    show = add_action(
+    add_show(
         actions,
-        "show",
         parents,
         _show,
         help="the progress of one batch",
         description="n of m children done, dead and pending, sealed, and when the callback fired (exit 7: unknown id).",
+        id_help="the batch's id (Batch.id)",
     )
-    show.add_argument("id", help="the batch's id (Batch.id)")
-    add_json(show)
-    cancel = add_action(
+    add_cancel(
         actions,
-        "cancel",
         parents,
         _cancel,
         help="stop a batch: its callback never fires, unfinished children are cancelled as jobs",
         description="Cancel a batch that has not finished (exit 7: unknown id; a finished one is left alone).",
-    )
-    add_cancel_arguments(
-        cancel, id_help="the batch's id (Batch.id)", reason_help="why, kept with the batch for 'batches show'"
+        id_help="the batch's id (Batch.id)",
+        reason_help="why, kept with the batch for 'batches show'",
     )
     return parser
 

@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_RABBITMQ_URL",
     "DURATION",
     "MAX_DURATION_MS",
+    "Actions",
     "Cancelled",
     "Duration",
     "ExitCode",
@@ -41,8 +42,10 @@ __all__ = [
     "Parser",
     "UsageError",
     "add_action",
-    "add_cancel_arguments",
+    "add_cancel",
+    "add_command",
     "add_json",
+    "add_show",
     "cancel_one",
     "common_parents",
     "configured_rabbitmq_url",
@@ -507,8 +510,19 @@ def confirm(args: argparse.Namespace, question: str, what: str, *, unattended: b
 # the same arguments, the same --json switch and the same exit codes, whatever the thing is.
 
 
+Actions = argparse._SubParsersAction  # the sub-parsers of one command's actions
+
+
+def add_command(
+    subparsers: Actions[argparse.ArgumentParser], name: str, *, help: str, description: str
+) -> tuple[argparse.ArgumentParser, Actions[argparse.ArgumentParser]]:
+    """The command ``name`` (``jobs``, ``batches``...), and the sub-parsers its actions are added to."""
+    parser = subparsers.add_parser(name, help=help, description=description)
+    return parser, parser.add_subparsers(dest=f"{name}_command", required=True, metavar="ACTION")
+
+
 def add_action(
-    actions: argparse._SubParsersAction[argparse.ArgumentParser],
+    actions: Actions[argparse.ArgumentParser],
     name: str,
     parents: Sequence[argparse.ArgumentParser],
     handler: Callable[[argparse.Namespace], int],
@@ -527,15 +541,41 @@ def add_json(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
 
 
-def add_cancel_arguments(
-    parser: argparse.ArgumentParser, *, id_help: str, reason_help: str, id_metavar: str | None = None
-) -> None:
-    """``ID --reason --by --yes --json``, the arguments of every ``cancel`` action."""
+def add_show(
+    actions: Actions[argparse.ArgumentParser],
+    parents: Sequence[argparse.ArgumentParser],
+    handler: Callable[[argparse.Namespace], int],
+    *,
+    help: str,
+    description: str,
+    id_help: str,
+) -> argparse.ArgumentParser:
+    """The ``show ID [--json]`` action."""
+    parser = add_action(actions, "show", parents, handler, help=help, description=description)
+    parser.add_argument("id", help=id_help)
+    add_json(parser)
+    return parser
+
+
+def add_cancel(
+    actions: Actions[argparse.ArgumentParser],
+    parents: Sequence[argparse.ArgumentParser],
+    handler: Callable[[argparse.Namespace], int],
+    *,
+    help: str,
+    description: str,
+    id_help: str,
+    reason_help: str,
+    id_metavar: str | None = None,
+) -> argparse.ArgumentParser:
+    """The ``cancel ID [--reason TEXT] [--by NAME] [--yes] [--json]`` action, run by :func:`cancel_one`."""
+    parser = add_action(actions, "cancel", parents, handler, help=help, description=description)
     parser.add_argument("id", metavar=id_metavar, help=id_help)
     parser.add_argument("--reason", help=reason_help)
     parser.add_argument("--by", help="who cancels (default: user@host)")
     parser.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     add_json(parser)
+    return parser
 
 
 def show_one(

@@ -31,8 +31,10 @@ from .common import (
     ExitCode,
     Integer,
     add_action,
-    add_cancel_arguments,
+    add_cancel,
+    add_command,
     add_json,
+    add_show,
     cancel_one,
     connect,
     print_error,
@@ -47,22 +49,20 @@ def register(
     parents: Sequence[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
     """Add ``jobs show``, ``jobs list`` and ``jobs cancel``; ``parents`` supply ``--database-url`` and ``--schema``."""
-    parser = subparsers.add_parser(
+    parser, actions = add_command(
+        subparsers,
         "jobs",
         help="look jobs up by id, list them by state, cancel one",
         description="What became of a job: waiting, scheduled, published, retrying, running, done, dead.",
     )
-    actions = parser.add_subparsers(dest="jobs_command", required=True, metavar="ACTION")
-    show = add_action(
+    add_show(
         actions,
-        "show",
         parents,
         _show,
         help="the state of one job",
         description="The state of one job, its attempts, last error, next try and trace id (exit 7: unknown id).",
+        id_help="a message id, or an idempotency key",
     )
-    show.add_argument("id", help="a message id, or an idempotency key")
-    add_json(show)
 
     listing = add_action(
         actions,
@@ -84,9 +84,8 @@ def register(
     )
     add_json(listing)
 
-    cancel = add_action(
+    add_cancel(
         actions,
-        "cancel",
         parents,
         _cancel,
         help="cancel a job: removed if it still waits in Postgres, else skipped on delivery or stopped",
@@ -96,9 +95,6 @@ def register(
             "running job stops at its next is_cancelled() check (needs the Cancellation middleware).  A job that "
             "already finished is left alone (exit 8); an unknown id changes nothing (exit 7)."
         ),
-    )
-    add_cancel_arguments(
-        cancel,
         id_help="the job's Dramatiq message id",
         reason_help="why, kept with the cancellation for 'jobs show'",
         id_metavar="ID",

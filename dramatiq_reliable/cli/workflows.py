@@ -24,8 +24,10 @@ from .common import (
     ExitCode,
     Integer,
     add_action,
-    add_cancel_arguments,
+    add_cancel,
+    add_command,
     add_json,
+    add_show,
     cancel_one,
     connect,
     report_cancel,
@@ -40,22 +42,20 @@ def register(
     parents: Sequence[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
     """Add ``workflows show`` and ``workflows cancel``; ``parents`` supply ``--database-url`` and ``--schema``."""
-    parser = subparsers.add_parser(
+    parser, actions = add_command(
+        subparsers,
         "workflows",
         help="one workflow by id: its steps and their states; cancel it",
         description="Chains of steps and groups: the state of each step, the results handed on, and a cancel.",
     )
-    actions = parser.add_subparsers(dest="workflows_command", required=True, metavar="ACTION")
-    show = add_action(
+    add_show(
         actions,
-        "show",
         parents,
         _show,
         help="one workflow and its steps",
         description="The workflow's state and every step in order with its state (exit 7: unknown id).",
+        id_help="the workflow's id (Workflow.id)",
     )
-    show.add_argument("id", help="the workflow's id (Workflow.id)")
-    add_json(show)
     listing = add_action(
         actions,
         "list",
@@ -67,16 +67,12 @@ def register(
     listing.add_argument("--state", choices=STATES, help="only workflows in this state")
     listing.add_argument("--limit", type=Integer(minimum=1, maximum=10_000), default=50, help="how many (default 50)")
     add_json(listing)
-    cancel = add_action(
+    add_cancel(
         actions,
-        "cancel",
         parents,
         _cancel,
         help="stop a workflow: no later step is sent, sent steps are cancelled as jobs",
         description="Cancel a running workflow (exit 7: unknown id; a finished one is left alone).",
-    )
-    add_cancel_arguments(
-        cancel,
         id_help="the workflow's id (Workflow.id)",
         reason_help="why, kept with the workflow for 'workflows show'",
     )
