@@ -348,11 +348,10 @@ def test_one_trace_per_workflow_and_the_join_step_links_to_each_child(
     assert linked == children
 
 
-@postgres_only
-def test_a_cancel_waits_for_a_step_sending_the_next_stage_then_cancels_that_stage(
-    flowing: Any, backed_queue: str, db: psycopg.Connection[Any], db_schema: str
-) -> None:
-    @dramatiq.actor(queue_name=backed_queue, broker=flowing)
+def _two_steps_running(flowing: Any, queue: str) -> tuple[Workflow, Workflows, dramatiq.broker.MessageProxy]:
+    """A workflow of two steps, run; its middleware and its first step as a worker would hold it."""
+
+    @dramatiq.actor(queue_name=queue, broker=flowing)
     def step(n: int, previous: Any = None) -> int:
         return n
 
@@ -360,7 +359,14 @@ def test_a_cancel_waits_for_a_step_sending_the_next_stage_then_cancels_that_stag
     with flowing.transaction():
         workflow.run()
     workflows = next(m for m in flowing.middleware if isinstance(m, Workflows))
-    first = dramatiq.broker.MessageProxy(workflow.stages[0][1][0])
+    return workflow, workflows, dramatiq.broker.MessageProxy(workflow.stages[0][1][0])
+
+
+@postgres_only
+def test_a_cancel_waits_for_a_step_sending_the_next_stage_then_cancels_that_stage(
+    flowing: Any, backed_queue: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    workflow, workflows, first = _two_steps_running(flowing, backed_queue)
     second = workflow.stages[1][1][0].message_id
     results: list[Any] = []
     with flowing.database.connection() as job, job.transaction():
@@ -399,15 +405,7 @@ def test_a_cancel_waits_for_a_step_sending_the_next_stage_then_cancels_that_stag
 def test_a_cancel_does_not_wait_for_a_step_in_the_middle_of_finishing_and_that_step_sends_nothing(
     flowing: Any, backed_queue: str, db: psycopg.Connection[Any], db_schema: str
 ) -> None:
-    @dramatiq.actor(queue_name=backed_queue, broker=flowing)
-    def step(n: int, previous: Any = None) -> int:
-        return n
-
-    workflow = Workflow([step.message(1), step.message(2)], broker=flowing)
-    with flowing.transaction():
-        workflow.run()
-    workflows = next(m for m in flowing.middleware if isinstance(m, Workflows))
-    first = dramatiq.broker.MessageProxy(workflow.stages[0][1][0])
+    workflow, workflows, first = _two_steps_running(flowing, backed_queue)
     results: list[Any] = []
     with flowing.database.connection() as job, job.transaction():
         # The step's finish has taken its own row's lock (as the finish's first statement does);
