@@ -52,3 +52,16 @@ def test_worker_boot_warns_when_the_middleware_comes_before_idempotency(
     assert [(r.name, r.levelno) for r in caplog.records] == [(logger, logging.WARNING)]
     assert late in caplog.records[0].getMessage()
     assert f"add {middleware.__name__} after Idempotency" in caplog.records[0].getMessage()
+
+
+def test_a_subclass_under_another_name_boots_and_is_still_checked(caplog: pytest.LogCaptureFixture) -> None:
+    class ShopWorkflows(Workflows):
+        pass
+
+    marking = ShopWorkflows()
+    broker = StubBroker(middleware=[])
+    broker.add_middleware(marking)
+    broker.add_middleware(Idempotency())
+    with caplog.at_level(logging.WARNING, logger="dramatiq_reliable.workflows.workflow"):
+        marking.before_worker_boot(broker, None)  # looked its class name up, and raised ValueError
+    assert ["comes before Idempotency" in r.getMessage() for r in caplog.records] == [True]
