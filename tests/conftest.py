@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from support import TEST_QUEUE, Otel, QueueJanitor, Rabbit, new_queue_name, status_server
 
-from dramatiq_reliable import OutboxBroker, PostgresBroker, events, schema
+from dramatiq_reliable import OutboxBroker, PostgresBroker, WorkerRelay, events, schema
 from dramatiq_reliable._util import rabbitmq_reason, redact
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -450,6 +450,38 @@ def pg_broker(database_url: str, db_schema: str, listen_url: str | None) -> Iter
     broker = PostgresBroker(database=database_url, schema=db_schema, listen_database=listen_url)
     yield broker
     broker.close()
+
+
+@pytest.fixture(params=["postgres", "outbox"])
+def backed_broker(request: pytest.FixtureRequest, database_url: str, db_schema: str) -> Iterator[Any]:
+    """A Postgres-backed broker of each kind on the test's schema, bare: the module adds its middleware.
+
+    ``PostgresBroker`` first, then an ``OutboxBroker`` whose ``WorkerRelay`` polls every 20 ms.
+    ``pytest.mark.parametrize("backed_broker", ["postgres"], indirect=True)`` keeps one kind.
+    """
+    if request.param == "postgres":
+        made: Any = PostgresBroker(database=database_url, schema=db_schema)
+    else:
+        made = OutboxBroker(url=request.getfixturevalue("rabbitmq_url"), database=database_url, schema=db_schema)
+        made.add_middleware(WorkerRelay(poll_interval_ms=20))
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def backed_queue(backed_broker: Any, request: pytest.FixtureRequest) -> str:
+    """The queue for ``backed_broker``'s actors: on RabbitMQ the test's own (deleted afterwards)."""
+    if isinstance(backed_broker, OutboxBroker):
+        return str(request.getfixturevalue("queue_name"))
+    return "backed"
+
+
+@pytest.fixture
+def backed_worker(backed_broker: Any) -> Iterator[dramatiq.Worker]:
+    """An in-process worker on ``backed_broker`` (4 threads), started by the test with ``start()``."""
+    instance = dramatiq.Worker(backed_broker, worker_timeout=50, worker_threads=4)
+    yield instance
+    instance.stop()
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from ..database import Database
 from ..dead_letters.validators import check_by
-from ..errors import JobNotFound
-from ..workflows import BatchStatus, batch_status, cancel_batch
+from ..workflows import BatchCancel, BatchStatus, batch_status, cancel_batch
 from . import output
-from .common import ExitCode, confirm, connect, open_database, print_error
+from .common import add_cancel, add_command, add_show, cancel_one, report_cancel, show_one
 
 __all__ = ["register"]
 
@@ -27,68 +27,46 @@ def register(
     parents: Sequence[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
     """Add ``batches show`` and ``batches cancel``; ``parents`` supply ``--database-url`` and ``--schema``."""
-    parser = subparsers.add_parser(
+    parser, actions = add_command(
+        subparsers,
         "batches",
         help="the progress of a batch by id; cancel it",
         description="Batches of children with one completion callback: how many are done, dead, pending.",
     )
-    actions = parser.add_subparsers(dest="batches_command", required=True, metavar="ACTION")
-    show = actions.add_parser(
-        "show",
-        parents=list(parents),
+    add_show(
+        actions,
+        parents,
+        _show,
         help="the progress of one batch",
         description="n of m children done, dead and pending, sealed, and when the callback fired (exit 7: unknown id).",
+        id_help="the batch's id (Batch.id)",
     )
-    show.add_argument("id", help="the batch's id (Batch.id)")
-    show.add_argument("--json", action="store_true", help="print JSON for scripts")
-    show.set_defaults(handler=_show)
-    cancel = actions.add_parser(
-        "cancel",
-        parents=list(parents),
+    add_cancel(
+        actions,
+        parents,
+        _cancel,
         help="stop a batch: its callback never fires, unfinished children are cancelled as jobs",
         description="Cancel a batch that has not finished (exit 7: unknown id; a finished one is left alone).",
+        id_help="the batch's id (Batch.id)",
+        reason_help="why, kept with the batch for 'batches show'",
     )
-    cancel.add_argument("id", help="the batch's id (Batch.id)")
-    cancel.add_argument("--reason", help="why, kept with the batch for 'batches show'")
-    cancel.add_argument("--by", help="who cancels (default: user@host)")
-    cancel.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
-    cancel.add_argument("--json", action="store_true", help="print JSON for scripts")
-    cancel.set_defaults(handler=_cancel)
     return parser
 
 
 def _show(args: argparse.Namespace) -> int:
-    with connect(args, autocommit=True) as conn:
-        try:
-            status = batch_status(conn, args.schema, args.id)
-        except JobNotFound as error:
-            print_error(str(error))
-            return ExitCode.NOT_FOUND
-    if args.json:
-        output.print_json(status.asdict())
-    else:
-        print(_describe(status))
-    return ExitCode.OK
+    return show_one(
+        args, lambda conn: batch_status(conn, args.schema, args.id), as_dict=BatchStatus.asdict, describe=_describe
+    )
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    if not confirm(args, f"cancel batch {args.id}", f"cancel batch {args.id}"):
-        return ExitCode.ABORTED
-    with open_database(args) as database:
-        try:
-            result = cancel_batch(database, args.schema, args.id, by=check_by(args.by), reason=args.reason)
-        except JobNotFound as error:
-            print_error(str(error))
-            return ExitCode.NOT_FOUND
-    if args.json:
-        output.print_json(result.asdict())
-    elif result.changed:
-        print(
-            f"batch {result.id}: cancelled; its callback never fires, {len(result.jobs)} unfinished child(ren) cancelled"
-        )
-    else:
-        print(f"batch {result.id}: already {result.state}; nothing changed")
-    return ExitCode.OK
+    def report(result: BatchCancel) -> None:
+        report_cancel("batch", result, f"its callback never fires, {len(result.jobs)} unfinished child(ren) cancelled")
+
+    def cancel(database: Database) -> BatchCancel:
+        return cancel_batch(database, args.schema, args.id, by=check_by(args.by), reason=args.reason)
+
+    return cancel_one(args, "batch", cancel, as_dict=BatchCancel.asdict, report=report)
 
 
 def _describe(status: BatchStatus) -> str:
@@ -108,5 +86,4 @@ def _describe(status: BatchStatus) -> str:
     if status.cancelled_at is not None:
         reason = f": {status.cancel_reason}" if status.cancel_reason else ""
         lines.append(("cancelled", f"by {status.cancelled_by} at {status.cancelled_at}{reason}"))
-    width = max(len(label) for label, _ in lines)
-    return "\n".join(f"{label.ljust(width)}  {value}" for label, value in lines)
+    return output.labelled(lines)

@@ -14,14 +14,16 @@ import enum
 import os
 import re
 import sys
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar, cast
 
 import psycopg
 
 from .. import _sql
 from .._util import first_line, redact
 from ..database import Database
+from ..errors import JobNotFound
+from . import output
 
 if TYPE_CHECKING:
     from ..backing import SendsTo
@@ -32,11 +34,19 @@ __all__ = [
     "DEFAULT_RABBITMQ_URL",
     "DURATION",
     "MAX_DURATION_MS",
+    "Actions",
+    "Cancelled",
     "Duration",
     "ExitCode",
     "Integer",
     "Parser",
     "UsageError",
+    "add_action",
+    "add_cancel",
+    "add_command",
+    "add_json",
+    "add_show",
+    "cancel_one",
     "common_parents",
     "configured_rabbitmq_url",
     "connect",
@@ -47,8 +57,13 @@ __all__ = [
     "queue_name",
     "rabbitmq_parameters",
     "rabbitmq_url",
+    "report_cancel",
     "schema_name",
+    "show_one",
 ]
+
+T = TypeVar("T")
+C = TypeVar("C")
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -489,3 +504,147 @@ def confirm(args: argparse.Namespace, question: str, what: str, *, unattended: b
         return True
     print("aborted; nothing changed", file=sys.stderr)
     return False
+
+
+# The show / cancel actions of the commands that name one thing by id (jobs, batches, workflows):
+# the same arguments, the same --json switch and the same exit codes, whatever the thing is.
+
+
+Actions = argparse._SubParsersAction  # the sub-parsers of one command's actions
+
+
+def add_command(
+    subparsers: Actions[argparse.ArgumentParser], name: str, *, help: str, description: str
+) -> tuple[argparse.ArgumentParser, Actions[argparse.ArgumentParser]]:
+    """The command ``name`` (``jobs``, ``batches``...), and the sub-parsers its actions are added to."""
+    parser = subparsers.add_parser(name, help=help, description=description)
+    return parser, parser.add_subparsers(dest=f"{name}_command", required=True, metavar="ACTION")
+
+
+def add_action(
+    actions: Actions[argparse.ArgumentParser],
+    name: str,
+    parents: Sequence[argparse.ArgumentParser],
+    handler: Callable[[argparse.Namespace], int],
+    *,
+    help: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """Add the action ``name`` (``show``, ``list``, ``cancel``), run by ``handler``."""
+    parser = actions.add_parser(name, parents=list(parents), help=help, description=description)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def add_json(parser: argparse.ArgumentParser) -> None:
+    """``--json``: print JSON for scripts instead of text for people."""
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
+def add_show(
+    actions: Actions[argparse.ArgumentParser],
+    parents: Sequence[argparse.ArgumentParser],
+    handler: Callable[[argparse.Namespace], int],
+    *,
+    help: str,
+    description: str,
+    id_help: str,
+) -> argparse.ArgumentParser:
+    """The ``show ID [--json]`` action."""
+    parser = add_action(actions, "show", parents, handler, help=help, description=description)
+    parser.add_argument("id", help=id_help)
+    add_json(parser)
+    return parser
+
+
+def add_cancel(
+    actions: Actions[argparse.ArgumentParser],
+    parents: Sequence[argparse.ArgumentParser],
+    handler: Callable[[argparse.Namespace], int],
+    *,
+    help: str,
+    description: str,
+    id_help: str,
+    reason_help: str,
+    id_metavar: str | None = None,
+) -> argparse.ArgumentParser:
+    """The ``cancel ID [--reason TEXT] [--by NAME] [--yes] [--json]`` action, run by :func:`cancel_one`."""
+    parser = add_action(actions, "cancel", parents, handler, help=help, description=description)
+    parser.add_argument("id", metavar=id_metavar, help=id_help)
+    parser.add_argument("--reason", help=reason_help)
+    parser.add_argument("--by", help="who cancels (default: user@host)")
+    parser.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    add_json(parser)
+    return parser
+
+
+def show_one(
+    args: argparse.Namespace,
+    look_up: Callable[[psycopg.Connection[Any]], T],
+    *,
+    as_dict: Callable[[T], Any],
+    describe: Callable[[T], str],
+) -> int:
+    """``show ID``: what ``look_up`` finds, as JSON or for people; ``NOT_FOUND`` when it raises ``JobNotFound``."""
+    return _one(
+        args, connect(args, autocommit=True), look_up, as_dict=as_dict, report=lambda found: print(describe(found))
+    )
+
+
+def cancel_one(
+    args: argparse.Namespace,
+    noun: str,
+    cancel: Callable[[Database], T],
+    *,
+    as_dict: Callable[[T], Any],
+    report: Callable[[T], None],
+    exit_code: Callable[[T], int] = lambda _: ExitCode.OK,
+) -> int:
+    """``cancel ID``: confirmed first (``ABORTED`` if not), then ``cancel``, reported as JSON or by ``report``.
+
+    Exits ``NOT_FOUND`` when ``cancel`` raises ``JobNotFound``, else what ``exit_code`` says of the result.
+    """
+    if not confirm(args, f"cancel {noun} {args.id}", f"cancel {noun} {args.id}"):
+        return ExitCode.ABORTED
+    return _one(args, open_database(args), cancel, as_dict=as_dict, report=report, exit_code=exit_code)
+
+
+class Cancelled(Protocol):
+    """What cancelling a batch or a workflow returns."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def changed(self) -> bool: ...
+    @property
+    def state(self) -> str: ...
+
+
+def report_cancel(noun: str, result: Cancelled, cancelled: str) -> None:
+    """``batch b1: cancelled; <cancelled>``, or that it had finished already and nothing changed."""
+    if result.changed:
+        print(f"{noun} {result.id}: cancelled; {cancelled}")
+    else:
+        print(f"{noun} {result.id}: already {result.state}; nothing changed")
+
+
+def _one(
+    args: argparse.Namespace,
+    opened: contextlib.AbstractContextManager[C],
+    act: Callable[[C], T],
+    *,
+    as_dict: Callable[[T], Any],
+    report: Callable[[T], None],
+    exit_code: Callable[[T], int] = lambda _: ExitCode.OK,
+) -> int:
+    with opened as handle:
+        try:
+            result = act(handle)
+        except JobNotFound as error:
+            print_error(str(error))
+            return ExitCode.NOT_FOUND
+    if args.json:
+        output.print_json(as_dict(result))
+    else:
+        report(result)
+    return exit_code(result)

@@ -17,14 +17,29 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any
 
+import psycopg
+
+from ..database import Database
 from ..dead_letters.validators import check_by
-from ..errors import JobNotFound
-from ..jobs.cancel import ALREADY_CANCELLED, FINISHED, UNKNOWN, cancel_job
+from ..jobs.cancel import ALREADY_CANCELLED, FINISHED, UNKNOWN, CancelResult, cancel_job
 from ..jobs.lookup import LISTABLE_STATES, JobStatus, list_jobs, show_job
 from ..workflows.state import StepOf, step_of
 from . import output
-from .common import ExitCode, Integer, confirm, connect, open_database, print_error
+from .common import (
+    ExitCode,
+    Integer,
+    add_action,
+    add_cancel,
+    add_command,
+    add_json,
+    add_show,
+    cancel_one,
+    connect,
+    print_error,
+    show_one,
+)
 
 __all__ = ["register"]
 
@@ -34,25 +49,26 @@ def register(
     parents: Sequence[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
     """Add ``jobs show``, ``jobs list`` and ``jobs cancel``; ``parents`` supply ``--database-url`` and ``--schema``."""
-    parser = subparsers.add_parser(
+    parser, actions = add_command(
+        subparsers,
         "jobs",
         help="look jobs up by id, list them by state, cancel one",
         description="What became of a job: waiting, scheduled, published, retrying, running, done, dead.",
     )
-    actions = parser.add_subparsers(dest="jobs_command", required=True, metavar="ACTION")
-    show = actions.add_parser(
-        "show",
-        parents=list(parents),
+    add_show(
+        actions,
+        parents,
+        _show,
         help="the state of one job",
         description="The state of one job, its attempts, last error, next try and trace id (exit 7: unknown id).",
+        id_help="a message id, or an idempotency key",
     )
-    show.add_argument("id", help="a message id, or an idempotency key")
-    show.add_argument("--json", action="store_true", help="print JSON for scripts")
-    show.set_defaults(handler=_show)
 
-    listing = actions.add_parser(
+    listing = add_action(
+        actions,
         "list",
-        parents=list(parents),
+        parents,
+        _list,
         help="jobs retrying, dead or waiting",
         description="Jobs in one state: retrying (latest failure first), dead (latest first), waiting (oldest first).",
     )
@@ -66,12 +82,12 @@ def register(
         metavar="N",
         help="at most N jobs (default %(default)s)",
     )
-    listing.add_argument("--json", action="store_true", help="print JSON for scripts")
-    listing.set_defaults(handler=_list)
+    add_json(listing)
 
-    cancel = actions.add_parser(
-        "cancel",
-        parents=list(parents),
+    add_cancel(
+        actions,
+        parents,
+        _cancel,
         help="cancel a job: removed if it still waits in Postgres, else skipped on delivery or stopped",
         description=(
             "Cancel the job with this message id.  Still in the outbox or the Postgres queue table: its row is "
@@ -79,29 +95,24 @@ def register(
             "running job stops at its next is_cancelled() check (needs the Cancellation middleware).  A job that "
             "already finished is left alone (exit 8); an unknown id changes nothing (exit 7)."
         ),
+        id_help="the job's Dramatiq message id",
+        reason_help="why, kept with the cancellation for 'jobs show'",
+        id_metavar="ID",
     )
-    cancel.add_argument("id", metavar="ID", help="the job's Dramatiq message id")
-    cancel.add_argument("--reason", help="why, kept with the cancellation for 'jobs show'")
-    cancel.add_argument("--by", help="who cancels (default: user@host)")
-    cancel.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
-    cancel.add_argument("--json", action="store_true", help="print JSON for scripts")
-    cancel.set_defaults(handler=_cancel)
     return parser
 
 
 def _show(args: argparse.Namespace) -> int:
-    with connect(args, autocommit=True) as conn:
-        try:
-            status = show_job(conn, args.schema, args.id)
-        except JobNotFound as error:
-            print_error(str(error))
-            return ExitCode.NOT_FOUND
-        step = step_of(conn, args.schema, status.message_id)
-    if args.json:
-        output.print_json({**status.asdict(), "workflow": None if step is None else step.asdict()})
-    else:
-        print(_describe(status, step))
-    return ExitCode.OK
+    def look_up(conn: psycopg.Connection[Any]) -> tuple[JobStatus, StepOf | None]:
+        status = show_job(conn, args.schema, args.id)
+        return status, step_of(conn, args.schema, status.message_id)
+
+    return show_one(
+        args,
+        look_up,
+        as_dict=lambda found: {**found[0].asdict(), "workflow": None if found[1] is None else found[1].asdict()},
+        describe=lambda found: _describe(*found),
+    )
 
 
 def _describe(status: JobStatus, step: StepOf | None = None) -> str:
@@ -132,55 +143,49 @@ def _describe(status: JobStatus, step: StepOf | None = None) -> str:
                 f"{step.position + 1}, {step.step_state}; 'dramatiq-reliable workflows show' lists every step",
             )
         )
-    width = max(len(label) for label, _ in lines)
-    return "\n".join(f"{label.ljust(width)}  {value}" for label, value in lines)
+    return output.labelled(lines)
 
 
 def _list(args: argparse.Namespace) -> int:
     with connect(args, autocommit=True) as conn:
         rows = list_jobs(conn, args.schema, state=args.state, actor=args.actor, queue=args.queue, limit=args.limit)
-    if args.json:
-        output.print_json([row.asdict() for row in rows])
-        return ExitCode.OK
-    if not rows:
-        print(f"no {args.state} jobs")
-        return ExitCode.OK
-    output.print_table(
-        ["MESSAGE", "ACTOR", "QUEUE", "ATTEMPTS", "SINCE", "ERROR"],
-        [
-            [
-                row.message_id,
-                row.actor_name,
-                row.queue_name,
-                str(row.attempts),
-                output.ago(row.since),
-                f"{row.error_type}: {row.error_message}" if row.error_type else row.error_message,
-            ]
-            for row in rows
+    output.print_rows(
+        rows,
+        as_json=args.json,
+        empty=f"no {args.state} jobs",
+        headers=["MESSAGE", "ACTOR", "QUEUE", "ATTEMPTS", "SINCE", "ERROR"],
+        cells=lambda row: [
+            row.message_id,
+            row.actor_name,
+            row.queue_name,
+            str(row.attempts),
+            output.ago(row.since),
+            f"{row.error_type}: {row.error_message}" if row.error_type else row.error_message,
         ],
         right=(3,),
-        fit_last=True,
     )
     return ExitCode.OK
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    if not confirm(args, f"cancel job {args.id}", f"cancel job {args.id}"):
-        return ExitCode.ABORTED
-    with open_database(args) as database:
-        result = cancel_job(database, args.schema, args.id, by=check_by(args.by), reason=args.reason)
-    if args.json:
-        output.print_json(result.as_dict())
-    elif result.outcome == UNKNOWN:
-        print_error(
-            f"no job with message id {args.id!r} in schema {args.schema!r} (not in the outbox, the queue table, "
-            "the processed keys or the dead letters); nothing changed"
-        )
-    else:
-        print(f"job {args.id}: {result.describe()}")
-    if result.outcome == UNKNOWN:
-        return ExitCode.NOT_FOUND
-    if result.outcome == FINISHED:
-        return ExitCode.REFUSED
-    assert result.changed or result.outcome == ALREADY_CANCELLED
-    return ExitCode.OK
+    def report(result: CancelResult) -> None:
+        if result.outcome == UNKNOWN:
+            print_error(
+                f"no job with message id {args.id!r} in schema {args.schema!r} (not in the outbox, the queue table, "
+                "the processed keys or the dead letters); nothing changed"
+            )
+        else:
+            print(f"job {args.id}: {result.describe()}")
+
+    def exit_code(result: CancelResult) -> int:
+        if result.outcome == UNKNOWN:
+            return ExitCode.NOT_FOUND
+        if result.outcome == FINISHED:
+            return ExitCode.REFUSED
+        assert result.changed or result.outcome == ALREADY_CANCELLED
+        return ExitCode.OK
+
+    def cancel(database: Database) -> CancelResult:
+        return cancel_job(database, args.schema, args.id, by=check_by(args.by), reason=args.reason)
+
+    return cancel_one(args, "job", cancel, as_dict=CancelResult.as_dict, report=report, exit_code=exit_code)

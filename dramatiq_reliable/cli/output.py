@@ -10,12 +10,21 @@ import datetime
 import json
 import shutil
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from .._util import format_age
 
-__all__ = ["age", "ago", "count", "print_json", "print_table", "table"]
+__all__ = ["Record", "age", "ago", "count", "labelled", "print_json", "print_rows", "print_table", "table"]
+
+
+class Record(Protocol):
+    """A row a listing prints: the library's frozen records, each with ``asdict()`` for ``--json``."""
+
+    def asdict(self) -> dict[str, Any]: ...
+
+
+R = TypeVar("R", bound=Record)
 
 
 def table(
@@ -57,6 +66,33 @@ def table(
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], **options: Any) -> None:
     """:func:`table` on stdout."""
     sys.stdout.write(table(headers, rows, **options) + "\n")
+
+
+def print_rows(
+    rows: Sequence[R],
+    *,
+    as_json: bool,
+    empty: str,
+    headers: Sequence[str],
+    cells: Callable[[R], Sequence[str]],
+    right: Sequence[int] = (),
+) -> None:
+    """A listing: every row's ``asdict()`` as JSON (``[]`` when none), else ``empty`` or a table.
+
+    The table's last column (an error, a free text) is cut to the terminal, so a row stays one line.
+    """
+    if as_json:
+        print_json([row.asdict() for row in rows])
+    elif not rows:
+        print(empty)
+    else:
+        print_table(headers, [cells(row) for row in rows], right=right, fit_last=True)
+
+
+def labelled(lines: Sequence[tuple[str, str]]) -> str:
+    """One record for people: a ``label  value`` line each, the values lined up in one column."""
+    width = max(len(label) for label, _ in lines)
+    return "\n".join(f"{label.ljust(width)}  {value}" for label, value in lines)
 
 
 def _cut(text: str, width: int) -> str:

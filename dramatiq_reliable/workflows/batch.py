@@ -35,7 +35,6 @@ as a row by SQL: ``before_enqueue`` hooks (tracing, dedupe) do not run for it.
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from types import TracebackType
 from typing import Any, Literal
@@ -46,20 +45,17 @@ from dramatiq.broker import Broker, MessageProxy
 from dramatiq.common import q_name
 from dramatiq.errors import ActorNotFound
 from dramatiq.message import Message
-from dramatiq.middleware import Middleware
 from psycopg.rows import dict_row
 
 from .. import _sql
-from .._checks import check_choice, check_ms, check_text
+from .._checks import check_choice, check_text
 from .._util import first_line, redact
-from ..backing import backing_of
 from ..binding import ambient_connection, bound_connection, check_joinable
-from ..database import Database
 from ..errors import ConfigurationError, DatabaseUnavailable, NotBound
 from ..idempotency._connections import autocommit
 from ..idempotency.context import send_with_commit
-from ..outbox.wake import channel
-from ._failclosed import DEFAULT_WRITE_TIMEOUT_MS, FailedClosed, dead_unrecorded, left_to_commit, write_until
+from ._failclosed import write_until
+from ._middleware import MarkingMiddleware, target
 
 __all__ = ["BATCH_OPTION", "Batch", "Batches", "IfChildDies"]
 
@@ -69,11 +65,6 @@ logger = logging.getLogger("dramatiq_reliable.workflows.batch")
 BATCH_OPTION = "batch_id"
 
 IfChildDies = Literal["fail", "continue"]
-
-
-def _target(broker: Broker, needed_by: str) -> tuple[Database, str, dict[str, str]]:
-    backing = backing_of(broker, needed_by=needed_by)
-    return backing.database, backing.schema, {"target": backing.sends_to, "channel": channel(backing.schema)}
 
 
 def _declared(broker: Broker, message: object, name: str) -> Message[Any]:
@@ -127,7 +118,7 @@ class Batch:
             if id is None
             else check_text("id", id, max_chars=200, fix="pass a short printable id, or none for a UUID")
         )
-        self._database, self._schema, self._resend = _target(self.broker, "Batch")
+        self._database, self._schema, self._resend = target(self.broker, "Batch")
         #: Connections whose current transaction holds this batch's row (checked by identity).
         self._created: set[int] = set()
 
@@ -218,7 +209,7 @@ class Batch:
             self.seal()
 
 
-class Batches(Middleware):
+class Batches(MarkingMiddleware):
     """Count each finished child of a :class:`Batch` and send the batch's callback after the last one.
 
     Add it after ``Idempotency`` (after-hooks run in reverse, so it then counts inside the job's
@@ -236,47 +227,21 @@ class Batches(Middleware):
     >>> broker.add_middleware(Batches())  # doctest: +SKIP
     """
 
-    def __init__(self, *, write_timeout_ms: int = DEFAULT_WRITE_TIMEOUT_MS) -> None:
-        self.write_timeout_ms = check_ms(
-            "write_timeout_ms", write_timeout_ms, minimum=1, fix="e.g. 30_000; past it the child's message is failed"
-        )
-        self._targets: dict[int, tuple[Database, str, dict[str, str]]] = {}
-        self._lock = threading.Lock()
-        self._failed_closed = FailedClosed()
+    option = BATCH_OPTION
+    kind = "batch"
+    member = "child"
+    needed_by = "Batches"
+    comes_first = (
+        "Batches comes before Idempotency in the middleware list, so children are counted after their job "
+        "commits; add Batches after Idempotency"
+    )
+    logger = logger
 
-    def _target_of(self, broker: Broker) -> tuple[Database, str, dict[str, str]]:
-        with self._lock:
-            if id(broker) not in self._targets:
-                self._targets[id(broker)] = _target(broker, "Batches")
-            return self._targets[id(broker)]
-
-    def after_process_message(
-        self,
-        broker: Broker,
-        message: MessageProxy,
-        *,
-        result: Any | None = None,
-        exception: BaseException | None = None,
+    def _mark(
+        self, broker: Broker, message: MessageProxy, *, dead: bool, result: Any, conn: psycopg.Connection[Any] | None
     ) -> None:
-        # A message another hook failed without raising is nacked: its after_nack counts it dead.
-        if exception is None and not message.failed and BATCH_OPTION in message.options:
-            conn = bound_connection()
-            what = f"batch {message.options[BATCH_OPTION]!r}"
-            if conn is not None:
-                try:
-                    if not self._with_commit(broker, message, conn):
-                        self._finish(broker, message, dead=False, conn=conn)
-                except Exception as error:
-                    if left_to_commit(conn, error):
-                        raise  # the job's commit fails, and it is retried or dead-lettered
-                    # The job would commit without its count: fail it, and Idempotency rolls it back.
-                    self._failed_closed.fail(message, error, what=what, timeout_ms=None)
-                return
-            try:
-                self._finish(broker, message, dead=False, conn=None)
-            except Exception as error:
-                # Dramatiq would log this and ack the message: the batch would wait for ever.
-                self._failed_closed.fail(message, error, what=what, timeout_ms=self.write_timeout_ms)
+        if conn is None or not self._with_commit(broker, message, conn):
+            self._finish(broker, message, dead=dead, conn=conn)
 
     def _with_commit(self, broker: Broker, message: MessageProxy, conn: psycopg.Connection[Any]) -> bool:
         """Hand the count to ``Idempotency`` to send with the job's COMMIT; ``False`` if it runs no job here.
@@ -288,15 +253,6 @@ class Batches(Middleware):
         params = {"batch_id": message.options[BATCH_OPTION], "message_id": message.message_id, "dead": False, **resend}
         statement = psycopg.ClientCursor(conn).mogrify(_sql.rendered("batch_finish", schema), params)
         return send_with_commit(statement.encode(conn.info.encoding))
-
-    def after_nack(self, broker: Broker, message: MessageProxy) -> None:
-        # The worker gave up on it: its job transaction rolled back, so the death is recorded alone.
-        if BATCH_OPTION in message.options and not self._failed_closed.take(message):
-            try:
-                self._finish(broker, message, dead=True, conn=None)
-            except Exception as error:
-                # Nacked already: nothing to fail.  The batch waits for it until its dead letter is replayed.
-                dead_unrecorded(message, error, what=f"batch {message.options[BATCH_OPTION]!r}")
 
     def _finish(
         self, broker: Broker, message: MessageProxy, *, dead: bool, conn: psycopg.Connection[Any] | None
@@ -319,15 +275,3 @@ class Batches(Middleware):
         status = str(row["status"])
         logger.debug("batch %s: child %s -> %s", params["batch_id"], message.message_id, status)
         return status
-
-    def before_worker_boot(self, broker: Broker, worker: Any) -> None:
-        names = [type(m).__name__ for m in broker.middleware]
-        if (
-            "Idempotency" in names
-            and self in broker.middleware
-            and names.index("Idempotency") > broker.middleware.index(self)
-        ):
-            logger.warning(
-                "Batches comes before Idempotency in the middleware list, so children are counted after their job "
-                "commits; add Batches after Idempotency"
-            )

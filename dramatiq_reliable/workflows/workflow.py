@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
@@ -48,19 +47,18 @@ from dramatiq.common import q_name
 from dramatiq.composition import group as dramatiq_group
 from dramatiq.composition import pipeline as dramatiq_pipeline
 from dramatiq.message import Message
-from dramatiq.middleware import Middleware
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from .. import _sql
-from .._checks import check_choice, check_ms, check_text
+from .._checks import check_choice, check_text
 from .._util import first_line, redact
 from ..binding import ambient_connection, bind, bound_connection, check_joinable
-from ..database import Database
 from ..errors import ConfigurationError, DatabaseUnavailable, NotBound
 from ..schema import WORKFLOW_VERSION, ensure_ready
-from ._failclosed import DEFAULT_WRITE_TIMEOUT_MS, FailedClosed, dead_unrecorded, left_to_commit, write_until
-from .batch import _declared, _target
+from ._failclosed import write_until
+from ._middleware import MarkingMiddleware, target
+from .batch import _declared
 
 __all__ = ["MAX_RESULT_BYTES", "WORKFLOW_LINKS_OPTION", "WORKFLOW_OPTION", "Group", "Workflow", "Workflows"]
 
@@ -183,7 +181,7 @@ class Workflow:
         self.stages = [
             (is_group, [self._tagged(m) for m in messages]) for is_group, messages in _stages(self.broker, steps)
         ]
-        self._database, self._schema, _ = _target(self.broker, "Workflow")
+        self._database, self._schema, _ = target(self.broker, "Workflow")
 
     def _tagged(self, message: Message[Any]) -> Message[Any]:
         options = {k: v for k, v in message.options.items() if k != "pipe_target"}
@@ -284,7 +282,7 @@ def _result_json(result: Any) -> tuple[Jsonb | None, str | None]:
     return Jsonb(result), None
 
 
-class Workflows(Middleware):
+class Workflows(MarkingMiddleware):
     """Mark each finished step of a :class:`Workflow` and send the next stage after its last step.
 
     Add it after ``Idempotency``, as :class:`~dramatiq_reliable.workflows.Batches`: after-hooks
@@ -302,56 +300,20 @@ class Workflows(Middleware):
     >>> broker.add_middleware(Workflows())  # doctest: +SKIP
     """
 
-    def __init__(self, *, write_timeout_ms: int = DEFAULT_WRITE_TIMEOUT_MS) -> None:
-        self.write_timeout_ms = check_ms(
-            "write_timeout_ms", write_timeout_ms, minimum=1, fix="e.g. 30_000; past it the step's message is failed"
-        )
-        self._targets: dict[int, tuple[Database, str, dict[str, str]]] = {}
-        self._lock = threading.Lock()
-        self._failed_closed = FailedClosed()
+    option = WORKFLOW_OPTION
+    kind = "workflow"
+    member = "step"
+    needed_by = "Workflows"
+    comes_first = (
+        "Workflows comes before Idempotency in the middleware list, so steps are marked (and the next stage "
+        "sent) after their job commits; add Workflows after Idempotency"
+    )
+    logger = logger
 
-    def _target_of(self, broker: Broker) -> tuple[Database, str, dict[str, str]]:
-        with self._lock:
-            if id(broker) not in self._targets:
-                self._targets[id(broker)] = _target(broker, "Workflows")
-            return self._targets[id(broker)]
-
-    def after_process_message(
-        self,
-        broker: Broker,
-        message: MessageProxy,
-        *,
-        result: Any | None = None,
-        exception: BaseException | None = None,
+    def _mark(
+        self, broker: Broker, message: MessageProxy, *, dead: bool, result: Any, conn: psycopg.Connection[Any] | None
     ) -> None:
-        # A message another hook failed without raising is nacked: its after_nack marks it dead.
-        if exception is None and not message.failed and WORKFLOW_OPTION in message.options:
-            conn = bound_connection()
-            what = f"workflow {message.options[WORKFLOW_OPTION]!r}"
-            if conn is not None:
-                try:
-                    self.finish(broker, message, dead=False, result=result, conn=conn)
-                except Exception as error:
-                    if left_to_commit(conn, error):
-                        raise  # the job's commit fails, and it is retried or dead-lettered
-                    # The job would commit its mark without the next stage (a send refused by a
-                    # before_enqueue hook): fail it, and Idempotency rolls it back.
-                    self._failed_closed.fail(message, error, what=what, timeout_ms=None)
-                return
-            try:
-                self.finish(broker, message, dead=False, result=result, conn=None)
-            except Exception as error:
-                # Dramatiq would log this and ack the message: the workflow would wait for ever.
-                self._failed_closed.fail(message, error, what=what, timeout_ms=self.write_timeout_ms)
-
-    def after_nack(self, broker: Broker, message: MessageProxy) -> None:
-        # The worker gave up on it: its job transaction rolled back, so the death is recorded alone.
-        if WORKFLOW_OPTION in message.options and not self._failed_closed.take(message):
-            try:
-                self.finish(broker, message, dead=True, result=None, conn=None)
-            except Exception as error:
-                # Nacked already: nothing to fail.  The workflow waits for it until its dead letter is replayed.
-                dead_unrecorded(message, error, what=f"workflow {message.options[WORKFLOW_OPTION]!r}")
+        self.finish(broker, message, dead=dead, result=result, conn=conn)
 
     def finish(
         self,
@@ -428,15 +390,3 @@ class Workflows(Middleware):
             if links:
                 options[WORKFLOW_LINKS_OPTION] = links
             broker.enqueue(template.copy(args=args, options=options))
-
-    def before_worker_boot(self, broker: Broker, worker: Any) -> None:
-        names = [type(m).__name__ for m in broker.middleware]
-        if (
-            "Idempotency" in names
-            and self in broker.middleware
-            and names.index("Idempotency") > names.index("Workflows")
-        ):
-            logger.warning(
-                "Workflows comes before Idempotency in the middleware list, so steps are marked (and the next stage "
-                "sent) after their job commits; add Workflows after Idempotency"
-            )

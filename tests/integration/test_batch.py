@@ -19,9 +19,7 @@ from dramatiq_reliable import (
     DeadLetters,
     Idempotency,
     NotBound,
-    OutboxBroker,
     PostgresBroker,
-    WorkerRelay,
     job_connection,
 )
 from dramatiq_reliable.cli import main
@@ -39,30 +37,10 @@ def _with_batches(broker: Any) -> Any:
     return broker
 
 
-@pytest.fixture(params=["postgres", "outbox"])
-def batched(request: pytest.FixtureRequest, database_url: str, db_schema: str) -> Iterator[Any]:
+@pytest.fixture
+def batched(backed_broker: Any) -> Any:
     """A broker of each kind with Idempotency (transactional), DeadLetters and Batches; the global broker."""
-    if request.param == "postgres":
-        broker: Any = PostgresBroker(database=database_url, schema=db_schema)
-    else:
-        broker = OutboxBroker(url=request.getfixturevalue("rabbitmq_url"), database=database_url, schema=db_schema)
-        broker.add_middleware(WorkerRelay(poll_interval_ms=20))
-    yield _with_batches(broker)
-    broker.close()
-
-
-@pytest.fixture
-def queue(batched: Any, request: pytest.FixtureRequest) -> str:
-    if isinstance(batched, OutboxBroker):
-        return str(request.getfixturevalue("queue_name"))
-    return "batched"
-
-
-@pytest.fixture
-def worker(batched: Any) -> Iterator[dramatiq.Worker]:
-    instance = dramatiq.Worker(batched, worker_timeout=50, worker_threads=4)
-    yield instance
-    instance.stop()
+    return _with_batches(backed_broker)
 
 
 def _count(db: psycopg.Connection[Any], schema: str, table: str) -> int:
@@ -73,8 +51,8 @@ def _count(db: psycopg.Connection[Any], schema: str, table: str) -> int:
 
 def test_the_callback_runs_once_after_every_child_and_progress_is_readable_by_id(
     batched: Any,
-    queue: str,
-    worker: dramatiq.Worker,
+    backed_queue: str,
+    backed_worker: dramatiq.Worker,
     database_url: str,
     db_schema: str,
     capsys: pytest.CaptureFixture[str],
@@ -82,11 +60,11 @@ def test_the_callback_runs_once_after_every_child_and_progress_is_readable_by_id
     done: list[int] = []
     reports: list[list[int]] = []
 
-    @dramatiq.actor(queue_name=queue, broker=batched)
+    @dramatiq.actor(queue_name=backed_queue, broker=batched)
     def invoice(n: int) -> None:
         done.append(n)
 
-    @dramatiq.actor(queue_name=queue, broker=batched)
+    @dramatiq.actor(queue_name=backed_queue, broker=batched)
     def report(month: str) -> None:
         reports.append(sorted(done))
 
@@ -94,7 +72,7 @@ def test_the_callback_runs_once_after_every_child_and_progress_is_readable_by_id
     with batched.transaction(), batch:
         for n in range(20):
             batch.add(invoice.message(n))
-    worker.start()
+    backed_worker.start()
     wait_for(lambda: reports, timeout_ms=30_000, message=f"the callback never ran; children done: {sorted(done)}")
     assert reports == [list(range(20))], "the callback ran before every child finished, or twice"
     status = batch_status(batched.database, db_schema, batch.id)
@@ -106,16 +84,16 @@ def test_the_callback_runs_once_after_every_child_and_progress_is_readable_by_id
 
 
 def test_a_dead_child_fails_the_batch_or_counts_as_finished_per_policy(
-    batched: Any, queue: str, worker: dramatiq.Worker, db_schema: str
+    batched: Any, backed_queue: str, backed_worker: dramatiq.Worker, db_schema: str
 ) -> None:
     ran: list[str] = []
 
-    @dramatiq.actor(queue_name=queue, broker=batched, max_retries=0)
+    @dramatiq.actor(queue_name=backed_queue, broker=batched, max_retries=0)
     def child(n: int) -> None:
         if n == 1:
             raise RuntimeError("child 1 fails for good")
 
-    @dramatiq.actor(queue_name=queue, broker=batched)
+    @dramatiq.actor(queue_name=backed_queue, broker=batched)
     def after(what: str) -> None:
         ran.append(what)
 
@@ -128,7 +106,7 @@ def test_a_dead_child_fails_the_batch_or_counts_as_finished_per_policy(
             with batch:
                 for n in range(3):
                     batch.add(child.message(n))
-    worker.start()
+    backed_worker.start()
     wait_for(lambda: len(ran) == 2, timeout_ms=30_000, message=f"the batches did not both finish: {ran}")
     assert sorted(ran) == ["continue:callback", "fail:on_failure"]
     failed = batch_status(batched.database, db_schema, failing.id)
@@ -137,9 +115,9 @@ def test_a_dead_child_fails_the_batch_or_counts_as_finished_per_policy(
 
 
 def test_a_rolled_back_transaction_leaves_no_batch_and_no_child(
-    batched: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+    batched: Any, backed_queue: str, db: psycopg.Connection[Any], db_schema: str
 ) -> None:
-    @dramatiq.actor(queue_name=queue, broker=batched)
+    @dramatiq.actor(queue_name=backed_queue, broker=batched)
     def child(n: int) -> None:
         pass
 
@@ -153,9 +131,9 @@ def test_a_rolled_back_transaction_leaves_no_batch_and_no_child(
 
 
 def test_bad_input_is_refused_with_the_fix_and_an_empty_batch_fires_when_sealed(
-    batched: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+    batched: Any, backed_queue: str, db: psycopg.Connection[Any], db_schema: str
 ) -> None:
-    @dramatiq.actor(queue_name=queue, broker=batched)
+    @dramatiq.actor(queue_name=backed_queue, broker=batched)
     def child(n: int) -> None:
         pass
 
@@ -163,7 +141,7 @@ def test_bad_input_is_refused_with_the_fix_and_an_empty_batch_fires_when_sealed(
     with pytest.raises(NotBound, match="outside a transaction; .* wrap the adds in broker.transaction"):
         batch.add(child.message(0))
     with pytest.raises(ConfigurationError, match="not declared on this broker"):
-        Batch(callback=dramatiq.Message(queue, "nobody", (), {}, {}), broker=batched)
+        Batch(callback=dramatiq.Message(backed_queue, "nobody", (), {}, {}), broker=batched)
     with pytest.raises(ConfigurationError, match="callback must be a message"):
         Batch(callback=child, broker=batched)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="if_child_dies must be 'fail' or 'continue'"):
@@ -176,9 +154,9 @@ def test_bad_input_is_refused_with_the_fix_and_an_empty_batch_fires_when_sealed(
 
 
 def test_a_redelivered_child_neither_counts_twice_nor_fires_again(
-    batched: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+    batched: Any, backed_queue: str, db: psycopg.Connection[Any], db_schema: str
 ) -> None:
-    @dramatiq.actor(queue_name=queue, broker=batched)
+    @dramatiq.actor(queue_name=backed_queue, broker=batched)
     def child(n: int) -> None:
         pass
 

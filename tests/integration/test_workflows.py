@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import dramatiq
@@ -18,11 +17,9 @@ from dramatiq_reliable import (
     DeadLetters,
     Idempotency,
     NotBound,
-    OutboxBroker,
     PostgresBroker,
     PostgresDeadLetterStore,
     Tracing,
-    WorkerRelay,
     build_middleware,
 )
 from dramatiq_reliable.cli import main
@@ -51,33 +48,13 @@ def _with_workflows(broker: Any) -> Any:
 
 
 #: The broker kind matters where messages travel through a worker; the rest is SQL, run once.
-postgres_only = pytest.mark.parametrize("flowing", ["postgres"], indirect=True)
+postgres_only = pytest.mark.parametrize("backed_broker", ["postgres"], indirect=True)
 
 
-@pytest.fixture(params=["postgres", "outbox"])
-def flowing(request: pytest.FixtureRequest, database_url: str, db_schema: str) -> Iterator[Any]:
+@pytest.fixture
+def flowing(backed_broker: Any) -> Any:
     """A broker of each kind with Idempotency (transactional), DeadLetters and Workflows; the global broker."""
-    if request.param == "postgres":
-        broker: Any = PostgresBroker(database=database_url, schema=db_schema)
-    else:
-        broker = OutboxBroker(url=request.getfixturevalue("rabbitmq_url"), database=database_url, schema=db_schema)
-        broker.add_middleware(WorkerRelay(poll_interval_ms=20))
-    yield _with_workflows(broker)
-    broker.close()
-
-
-@pytest.fixture
-def queue(flowing: Any, request: pytest.FixtureRequest) -> str:
-    if isinstance(flowing, OutboxBroker):
-        return str(request.getfixturevalue("queue_name"))
-    return "flowing"
-
-
-@pytest.fixture
-def worker(flowing: Any) -> Iterator[dramatiq.Worker]:
-    instance = dramatiq.Worker(flowing, worker_timeout=50, worker_threads=4)
-    yield instance
-    instance.stop()
+    return _with_workflows(backed_broker)
 
 
 def _state(broker: Any, schema: str, id: str) -> str:
@@ -86,27 +63,27 @@ def _state(broker: Any, schema: str, id: str) -> str:
 
 def test_results_feed_the_next_step_and_a_group_joins_into_one_step(
     flowing: Any,
-    queue: str,
-    worker: dramatiq.Worker,
+    backed_queue: str,
+    backed_worker: dramatiq.Worker,
     database_url: str,
     db_schema: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     joined: list[Any] = []
 
-    @dramatiq.actor(queue_name=queue, broker=flowing)
+    @dramatiq.actor(queue_name=backed_queue, broker=flowing)
     def fetch(order_id: int) -> dict[str, int]:
         return {"order": order_id, "lines": 3}
 
-    @dramatiq.actor(queue_name=queue, broker=flowing)
+    @dramatiq.actor(queue_name=backed_queue, broker=flowing)
     def price(line: int, order: dict[str, int]) -> int:
         return order["order"] * 100 + line
 
-    @dramatiq.actor(queue_name=queue, broker=flowing)
+    @dramatiq.actor(queue_name=backed_queue, broker=flowing)
     def total(prices: list[int]) -> int:
         return sum(prices)
 
-    @dramatiq.actor(queue_name=queue, broker=flowing)
+    @dramatiq.actor(queue_name=backed_queue, broker=flowing)
     def report(label: str, amount: int) -> None:
         joined.append((label, amount))
 
@@ -122,7 +99,7 @@ def test_results_feed_the_next_step_and_a_group_joins_into_one_step(
     with flowing.transaction():
         sent = workflow.run()
     assert [m.actor_name for m in sent] == ["fetch"] and sent[0].options[WORKFLOW_OPTION] == workflow.id
-    worker.start()
+    backed_worker.start()
     wait_for(lambda: joined, timeout_ms=30_000, message="the last step never ran")
     wait_for(lambda: _state(flowing, db_schema, workflow.id) == "succeeded", timeout_ms=10_000)
     assert joined == [("order 7", 700 + 701 + 702)], "a result did not reach the next step, or a step ran twice"
@@ -151,29 +128,29 @@ def test_results_feed_the_next_step_and_a_group_joins_into_one_step(
 
 
 def test_a_chain_with_a_dead_middle_step_resumes_after_its_dead_letter_is_replayed(
-    flowing: Any, queue: str, worker: dramatiq.Worker, db_schema: str
+    flowing: Any, backed_queue: str, backed_worker: dramatiq.Worker, db_schema: str
 ) -> None:
     broken = [True]
     finished: list[str] = []
 
-    @dramatiq.actor(queue_name=queue, broker=flowing)
+    @dramatiq.actor(queue_name=backed_queue, broker=flowing)
     def first() -> str:
         return "a"
 
-    @dramatiq.actor(queue_name=queue, broker=flowing, max_retries=0)
+    @dramatiq.actor(queue_name=backed_queue, broker=flowing, max_retries=0)
     def middle(previous: str) -> str:
         if broken[0]:
             raise RuntimeError("the middle step fails until it is fixed")
         return previous + "b"
 
-    @dramatiq.actor(queue_name=queue, broker=flowing)
+    @dramatiq.actor(queue_name=backed_queue, broker=flowing)
     def last(previous: str) -> None:
         finished.append(previous + "c")
 
     workflow = Workflow([first.message(), middle.message(), last.message()], if_step_dies="wait", broker=flowing)
     with flowing.transaction():
         workflow.run()
-    worker.start()
+    backed_worker.start()
     wait_for(
         lambda: workflow_status(flowing.database, db_schema, workflow.id).waiting_for_replay,
         timeout_ms=30_000,
@@ -193,17 +170,17 @@ def test_a_chain_with_a_dead_middle_step_resumes_after_its_dead_letter_is_replay
 
 @postgres_only
 def test_a_dead_step_fails_the_workflow_or_is_skipped_per_policy(
-    flowing: Any, queue: str, worker: dramatiq.Worker, db_schema: str
+    flowing: Any, backed_queue: str, backed_worker: dramatiq.Worker, db_schema: str
 ) -> None:
     ran: list[Any] = []
 
-    @dramatiq.actor(queue_name=queue, broker=flowing, max_retries=0)
+    @dramatiq.actor(queue_name=backed_queue, broker=flowing, max_retries=0)
     def child(n: int) -> int:
         if n == 1:
             raise RuntimeError("child 1 fails for good")
         return n
 
-    @dramatiq.actor(queue_name=queue, broker=flowing)
+    @dramatiq.actor(queue_name=backed_queue, broker=flowing)
     def after(label: str, results: Any = None) -> None:
         ran.append((label, results))
 
@@ -218,7 +195,7 @@ def test_a_dead_step_fails_the_workflow_or_is_skipped_per_policy(
     with flowing.transaction():
         failing.run()
         skipping.run()
-    worker.start()
+    backed_worker.start()
     wait_for(lambda: len(ran) == 2, timeout_ms=30_000, message=f"both workflows did not finish: {ran}")
     assert sorted(ran, key=str) == [("fail:on_failure", None), ("skip:next", [0, None, 2])]
     wait_for(lambda: _state(flowing, db_schema, skipping.id) == "succeeded", timeout_ms=10_000)
@@ -229,9 +206,9 @@ def test_a_dead_step_fails_the_workflow_or_is_skipped_per_policy(
 
 @postgres_only
 def test_a_cancelled_workflow_sends_no_further_step(
-    flowing: Any, queue: str, db_schema: str, database_url: str, capsys: pytest.CaptureFixture[str]
+    flowing: Any, backed_queue: str, db_schema: str, database_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    @dramatiq.actor(queue_name=queue, broker=flowing)
+    @dramatiq.actor(queue_name=backed_queue, broker=flowing)
     def step(n: int, previous: Any = None) -> int:
         return n
 
@@ -262,9 +239,9 @@ def test_a_cancelled_workflow_sends_no_further_step(
 
 @postgres_only
 def test_a_redelivered_step_neither_counts_twice_nor_sends_the_next_step_twice(
-    flowing: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+    flowing: Any, backed_queue: str, db: psycopg.Connection[Any], db_schema: str
 ) -> None:
-    @dramatiq.actor(queue_name=queue, broker=flowing)
+    @dramatiq.actor(queue_name=backed_queue, broker=flowing)
     def step(n: int, previous: Any = None) -> int:
         return n
 
@@ -290,14 +267,14 @@ def test_a_redelivered_step_neither_counts_twice_nor_sends_the_next_step_twice(
 
 @postgres_only
 def test_bad_input_is_refused_before_anything_is_written(
-    flowing: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+    flowing: Any, backed_queue: str, db: psycopg.Connection[Any], db_schema: str
 ) -> None:
-    @dramatiq.actor(queue_name=queue, broker=flowing)
+    @dramatiq.actor(queue_name=backed_queue, broker=flowing)
     def step(n: int, previous: Any = None) -> Any:
         return "x" * 70_000 if n == 9 else n
 
     with pytest.raises(ConfigurationError, match="not declared on this broker"):
-        Workflow([dramatiq.Message(queue, "nobody", (), {}, {})], broker=flowing)
+        Workflow([dramatiq.Message(backed_queue, "nobody", (), {}, {})], broker=flowing)
     with pytest.raises(ConfigurationError, match="a workflow's step must be a message"):
         Workflow([step], broker=flowing)  # type: ignore[list-item]
     with pytest.raises(ConfigurationError, match="an empty group at step 2"):
@@ -371,10 +348,9 @@ def test_one_trace_per_workflow_and_the_join_step_links_to_each_child(
     assert linked == children
 
 
-@postgres_only
-def test_a_cancel_waits_for_a_step_sending_the_next_stage_then_cancels_that_stage(
-    flowing: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
-) -> None:
+def _two_steps_running(flowing: Any, queue: str) -> tuple[Workflow, Workflows, dramatiq.broker.MessageProxy]:
+    """A workflow of two steps, run; its middleware and its first step as a worker would hold it."""
+
     @dramatiq.actor(queue_name=queue, broker=flowing)
     def step(n: int, previous: Any = None) -> int:
         return n
@@ -383,7 +359,14 @@ def test_a_cancel_waits_for_a_step_sending_the_next_stage_then_cancels_that_stag
     with flowing.transaction():
         workflow.run()
     workflows = next(m for m in flowing.middleware if isinstance(m, Workflows))
-    first = dramatiq.broker.MessageProxy(workflow.stages[0][1][0])
+    return workflow, workflows, dramatiq.broker.MessageProxy(workflow.stages[0][1][0])
+
+
+@postgres_only
+def test_a_cancel_waits_for_a_step_sending_the_next_stage_then_cancels_that_stage(
+    flowing: Any, backed_queue: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    workflow, workflows, first = _two_steps_running(flowing, backed_queue)
     second = workflow.stages[1][1][0].message_id
     results: list[Any] = []
     with flowing.database.connection() as job, job.transaction():
@@ -420,17 +403,9 @@ def test_a_cancel_waits_for_a_step_sending_the_next_stage_then_cancels_that_stag
 
 @postgres_only
 def test_a_cancel_does_not_wait_for_a_step_in_the_middle_of_finishing_and_that_step_sends_nothing(
-    flowing: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+    flowing: Any, backed_queue: str, db: psycopg.Connection[Any], db_schema: str
 ) -> None:
-    @dramatiq.actor(queue_name=queue, broker=flowing)
-    def step(n: int, previous: Any = None) -> int:
-        return n
-
-    workflow = Workflow([step.message(1), step.message(2)], broker=flowing)
-    with flowing.transaction():
-        workflow.run()
-    workflows = next(m for m in flowing.middleware if isinstance(m, Workflows))
-    first = dramatiq.broker.MessageProxy(workflow.stages[0][1][0])
+    workflow, workflows, first = _two_steps_running(flowing, backed_queue)
     results: list[Any] = []
     with flowing.database.connection() as job, job.transaction():
         # The step's finish has taken its own row's lock (as the finish's first statement does);
@@ -455,15 +430,15 @@ def test_a_cancel_does_not_wait_for_a_step_in_the_middle_of_finishing_and_that_s
 
 @postgres_only
 def test_children_finishing_at_once_on_eight_threads_send_the_join_step_once_with_every_result(
-    flowing: Any, queue: str, db_schema: str
+    flowing: Any, backed_queue: str, db_schema: str
 ) -> None:
     joined: list[list[int]] = []
 
-    @dramatiq.actor(queue_name=queue, broker=flowing)
+    @dramatiq.actor(queue_name=backed_queue, broker=flowing)
     def child(n: int) -> int:
         return n * n
 
-    @dramatiq.actor(queue_name=queue, broker=flowing)
+    @dramatiq.actor(queue_name=backed_queue, broker=flowing)
     def join(squares: list[int]) -> None:
         joined.append(squares)
 

@@ -128,6 +128,47 @@ def test_counts_agree_with_their_nouns():
     assert output.count(1, "message waiting", "messages waiting") == "1 message waiting"
 
 
+def test_a_listing_prints_json_for_scripts_a_line_when_empty_and_else_a_table(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+
+    class Row:
+        def __init__(self, id: str, n: int) -> None:
+            self.id, self.n = id, n
+
+        def asdict(self) -> dict[str, object]:
+            return {"id": self.id, "n": self.n}
+
+    def listing(rows: list[Row], as_json: bool) -> str:
+        output.print_rows(
+            rows, as_json=as_json, empty="no rows", headers=["ID", "N"], cells=lambda r: [r.id, str(r.n)], right=(1,)
+        )
+        return capsys.readouterr().out
+
+    assert listing([], as_json=True) == "[]\n", "scripts read an empty list, never the sentence"
+    assert listing([], as_json=False) == "no rows\n"
+    assert listing([Row("a", 7), Row("bb", 10)], as_json=False) == "ID   N\na    7\nbb  10\n"
+    assert listing([Row("a", 7)], as_json=True) == '[\n  {\n    "id": "a",\n    "n": 7\n  }\n]\n'
+
+
+def test_one_record_lines_its_values_up_after_the_longest_label():
+    assert output.labelled([("batch", "b1"), ("progress", "1 of 2 finished")]) == (
+        "batch     b1\nprogress  1 of 2 finished"
+    )
+
+
+@pytest.mark.parametrize(("command", "noun"), [("jobs", "job"), ("batches", "batch"), ("workflows", "workflow")])
+def test_cancel_without_yes_and_without_a_terminal_is_refused_before_connecting(command, noun, capsys):
+    # An unreachable URL: a refused cancel must not even try to connect.
+    argv = [command, "cancel", "x1", "--database-url", "postgresql://nobody@127.0.0.1:1/none"]
+    assert main(argv) == ExitCode.ABORTED
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert (
+        err
+        == f"dramatiq-reliable: error: refusing to cancel {noun} x1 without confirmation: stdin is not a terminal; pass --yes\n"
+    )
+
+
 def test_ages_use_the_one_format():
     now = datetime.datetime(2024, 5, 2, 12, 0, tzinfo=datetime.timezone.utc)
     assert output.ago(now - datetime.timedelta(seconds=75), now) == "75s"
