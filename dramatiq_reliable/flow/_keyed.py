@@ -165,19 +165,20 @@ def one_statement(database: Database, query: sql.Composed | bytes, params: dict[
 
 
 class Held(Generic[L]):
-    """The leases this process holds, one per worker thread, for the heartbeat to renew."""
+    """The leases this process holds, for the heartbeat to renew: one per worker thread, and those
+    taken for a message before a worker thread has it (held under the message's id)."""
 
     def __init__(self) -> None:
-        self._held: dict[int, L] = {}
+        self._held: dict[int | str, L] = {}
         self._lock = threading.Lock()
 
-    def hold(self, lease: L) -> None:
+    def hold(self, lease: L, *, message_id: str | None = None) -> None:
         with self._lock:
-            self._held[threading.get_ident()] = lease
+            self._held[threading.get_ident() if message_id is None else message_id] = lease
 
-    def drop(self) -> None:
+    def drop(self, *, message_id: str | None = None) -> None:
         with self._lock:
-            self._held.pop(threading.get_ident(), None)
+            self._held.pop(threading.get_ident() if message_id is None else message_id, None)
 
     def renewal(self, lease_ms: int) -> dict[str, Any] | None:
         """The parameters of the renew statement (``keys``, ``tokens``), or ``None`` when nothing is held."""

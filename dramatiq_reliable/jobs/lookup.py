@@ -12,7 +12,8 @@ state                        from
 ``running``                  a ``LongJobs`` lease, or a leased ``PostgresBroker`` queue row
 ``retrying``                 a failure record whose last decision was a retry
 ``scheduled``                an outbox or queue row that is not due yet
-``waiting``                  an unpublished outbox row, or a queue row no worker holds
+``waiting``                  an unpublished outbox row, a queue row no worker holds, or a job
+                             parked until its turn in its order key (``OrderedKeys``)
 ``published_no_news``        an outbox row the relay published, and nothing since
 ============================ =================================================================
 
@@ -235,6 +236,26 @@ def read_queued(lookup: Lookup) -> Finding | None:
     return None
 
 
+def read_ordered(lookup: Lookup) -> Finding | None:
+    """A job parked in Postgres until its turn in its ``order_key``: in neither the outbox nor the
+    queue (``OrderedKeys`` parks a job sent behind its key's head at send)."""
+    if not table_exists(lookup.conn, lookup.schema, "order_jobs"):
+        return None
+    row = _one(lookup, "jobs_order")
+    if row is None:
+        return None
+    head = f"its head {row['head_message_id']} is {row['head_state']}"
+    if row["head_state"] == "dead":
+        head += " (replay or discard that dead letter to free the key)"
+    return Finding(
+        "waiting",
+        row["sent_at"],
+        f"parked in Postgres until its turn in order key {row['key']!r}: {row['ahead']} job(s) ahead; {head}",
+        actor_name=row["actor_name"],
+        queue_name=row["queue_name"],
+    )
+
+
 def read_gave_up(lookup: Lookup) -> Finding | None:
     """A failure record whose last decision was to give up, with no dead letter and nothing sent since.
 
@@ -300,6 +321,7 @@ STATE_READERS: list[Reader] = [
     read_running,
     read_retrying,
     read_queued,
+    read_ordered,
     read_gave_up,
     read_published,
 ]

@@ -34,6 +34,7 @@ from ..joining import join_until_empty
 from ..retries import ClassifiedRetries
 from ..sending import DEFAULT_PAYLOAD_LIMIT_BYTES, Row, RowSending, TrackProcessing, Unbound, processing_message
 from . import queue, retention
+from .claims import ClaimListeners
 from .consumer import Listener, PostgresConsumer, PostgresMessage
 from .lease import Leases
 from .readiness import SchemaGate
@@ -182,6 +183,8 @@ class PostgresBroker(RowSending, Broker):
         )
         super().__init__(middleware=middleware)
         self.queues: set[str] = set()
+        #: Told of each batch of claimed messages before a worker thread sees them (OrderedKeys).
+        self.claims = ClaimListeners()
         # The tracker comes first (its before-hook runs before any other), the settler right
         # before the retry middleware (its after-hook runs after the retry decision and before
         # Idempotency commits the job's transaction).

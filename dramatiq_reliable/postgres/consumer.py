@@ -206,6 +206,9 @@ class PostgresMessage(MessageProxy):
         #: Set when the row's fate was already written (acked in the job's transaction, or
         #: turned into its own retry): the consumer's ack then only lets go of the lease.
         self.settled = False
+        #: What claim listeners learnt of this delivery when it was claimed, by listener
+        #: (see :mod:`~dramatiq_reliable.postgres.claims`).
+        self.notes: dict[str, Any] = {}
 
 
 class PostgresConsumer(Consumer):
@@ -278,10 +281,10 @@ class PostgresConsumer(Consumer):
         if not rows:
             return False
         self.broker.leases.hold(self.queue_name, rows)
-        for row in rows:
-            message = self._decode(row)
-            if message is not None:
-                self._buffer.append(message)
+        messages = [message for message in map(self._decode, rows) if message is not None]
+        if messages:
+            self.broker.claims.claimed(messages)
+            self._buffer.extend(messages)
         return True
 
     def _decode(self, row: queue.ClaimedRow) -> PostgresMessage | None:
@@ -326,8 +329,9 @@ class PostgresConsumer(Consumer):
         self.broker.leases.forget(row_id)
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
-        held = [(m.row_id, m.lease) for m in messages if isinstance(m, PostgresMessage)]
-        self._release(held)
+        given = [m for m in messages if isinstance(m, PostgresMessage)]
+        self.broker.claims.given_back(given)
+        self._release([(m.row_id, m.lease) for m in given])
 
     def _release(self, held: list[tuple[int, int]]) -> None:
         if not held:
@@ -346,6 +350,7 @@ class PostgresConsumer(Consumer):
 
     def close(self) -> None:
         self.broker.listener.unregister(self.queue_name, self._wake)
-        buffered = [(m.row_id, m.lease) for m in self._buffer]
+        buffered = list(self._buffer)
         self._buffer.clear()
-        self._release(buffered)
+        self.broker.claims.given_back(buffered)
+        self._release([(m.row_id, m.lease) for m in buffered])
