@@ -2,14 +2,18 @@
 
 Two worker processes (``workflow_worker_app.py``) reach Postgres through a TCP proxy the test owns
 and run ``start -> Group(child x N) -> join -> finish``, each step writing its effect in its own job
-transaction.  While the group runs, the test SIGKILLs each worker once (restarting it, as a process
-manager would) and stops the proxy twice (every connection reset, no new one accepted for a
-moment), each at a set share of the children done; when the last child has committed and the join
-step has started (it logs each run, then works ``JOIN_MS``), it SIGKILLs both workers: the join dies in flight.  Then:
-one effect per step and per child, the join run once and after every child (it saw all their
-effects and their results in the group's order), one first send of the join and of the last step
-(a trigger on the queue or outbox table counts them, so a double send is seen even though
-``Idempotency`` would skip the second run), and ``workflow_status`` ``succeeded``, every step done.
+transaction.  The schedule of chaos: the worker running ``start`` (whose transaction sends the whole
+group) is SIGKILLed in flight (and restarted, as a process manager would); while the group runs,
+the proxy is stopped once (every connection reset, no new one accepted for a moment) and a
+worker SIGKILLed, each at a set share of the children done; the worker running the join is
+SIGKILLed in flight; Postgres is cut while ``finish`` (whose transaction marks the workflow
+succeeded) runs.  (A batch's chaos test cuts and kills more often mid-fan-out; here the aim is
+every kind of step.)  A single step logs each run as it starts and then works ``STEP_MS``, so the test
+aims at that very run.  Then: one effect per step and per child, the join run once and after every
+child (it saw all their effects and their results in the group's order), one first send of each
+step (a trigger on the queue or outbox table records every send, so a double send is seen even
+though ``Idempotency`` would skip the second run; a retry carries its ``retry_decision``), and
+``workflow_status`` ``succeeded``, every step done.
 
 The second test kills nothing: a chain whose middle step dies (``max_retries=0``) under
 ``if_step_dies="wait"`` is resumed by ``dramatiq-reliable dead-letters replay`` (the real CLI, a
@@ -46,20 +50,21 @@ APP = Path(__file__).with_name("workflow_worker_app.py")
 #: A group's counter is one row (docs/workflows.md): tens or hundreds of children, not thousands.
 CHILDREN = int(os.environ.get("DR_WORKFLOW_CHAOS_CHILDREN", "100"))
 RUNS = int(os.environ.get("DR_SOAK_RUNS", "1"))
-#: How long each child and the join work: long enough that each kill and cut lands mid-group
-#: (eight threads take 100 children in about half a second) and the last kill mid-join.
-CHILD_MS, JOIN_MS = 40, 500
+#: How long each child and each single step work: long enough that each kill and cut lands mid-group
+#: (eight threads take 100 children in about half a second) and mid-step.
+CHILD_MS, STEP_MS = 40, 300
 #: How long each Postgres outage lasts (the proxy's port closed, every connection reset).
 CUT_S = 0.5
-#: (share of children finished, what happens then): each worker killed once, Postgres cut twice,
-#: then both workers killed once every child has committed and the join has started (in flight).
-SCHEDULE = (
-    (0.2, "kill worker-0"),
-    (0.4, "cut postgres"),
+#: (when, what happens then): when is a share of the children done, or a single step's name (as
+#: soon as a run of it has started); "kill its worker" SIGKILLs the process running that step.
+SCHEDULE: tuple[tuple[float | str, str], ...] = (
+    ("start", "kill its worker"),
+    (0.3, "cut postgres"),
     (0.6, "kill worker-1"),
-    (0.8, "cut postgres"),
-    (1.0, "kill both"),
+    ("join", "kill its worker"),
+    ("finish", "cut postgres"),
 )
+
 
 _SETUP = """
 CREATE TABLE {schema}.effects (run int NOT NULL, step text NOT NULL, n int NOT NULL, seen bigint, pid int NOT NULL);
@@ -129,7 +134,7 @@ def test_a_chain_with_a_fan_out_runs_every_step_once_through_kills_and_postgres_
 ) -> None:
     sender, actors, env = setup
     proxy = TcpProxy.to(database_url).start()
-    env = {**env, "DATABASE_URL": proxy.url, "CHILD_MS": str(CHILD_MS), "JOIN_MS": str(JOIN_MS)}
+    env = {**env, "DATABASE_URL": proxy.url, "CHILD_MS": str(CHILD_MS), "STEP_MS": str(STEP_MS)}
     workers = Workers(APP, env, tmp_path)
     ledgers = []
     try:
@@ -145,9 +150,11 @@ def test_a_chain_with_a_fan_out_runs_every_step_once_through_kills_and_postgres_
                 f"a step was sent twice (or never): {ledger}\n{workers.tails()}"
             )
             assert ledger["state"] == "succeeded" and ledger["steps"] == {"done": CHILDREN + 3}, ledger
-            assert ledger["join_attempts"] >= 2, f"the join was not killed in flight: {ledger}"
-            assert ledger["chaos_before_join"] == [event for _, event in SCHEDULE], (
-                f"every kill and cut must land before the join committed, or the run proved nothing: {ledger}"
+            assert ledger["attempts"]["start"] >= 2 and ledger["attempts"]["join"] >= 2, (
+                f"the start and the join steps were not killed in flight: {ledger}"
+            )
+            assert ledger["chaos_in_time"] == [f"{when}: {what}" for when, what in SCHEDULE], (
+                f"every kill and cut must land before the step it aims at committed, or the run proved nothing: {ledger}"
             )
     finally:
         workers.close()
@@ -155,11 +162,16 @@ def test_a_chain_with_a_fan_out_runs_every_step_once_through_kills_and_postgres_
     print(json.dumps({"workflow_chaos": kind, "runs": len(ledgers), "children": CHILDREN, "all_once": True}))
 
 
-def _join_attempts(workers: Workers, run: int) -> int:
-    """Runs of the join started in this run (the worker app logs each), committed or not."""
-    return sum(
-        log.read_text(errors="replace").count(f"join attempt run={run} ") for log in workers.logs if log.exists()
-    )
+def _attempts(workers: Workers, run: int, step: str) -> list[int]:
+    """The pids of the runs of ``step`` started in this run (the worker app logs each), committed or not."""
+    marker = f"{step} attempt run={run} pid="
+    return [
+        int(line[len(marker) :])
+        for log in workers.logs
+        if log.exists()
+        for line in log.read_text(errors="replace").splitlines()
+        if line.startswith(marker)
+    ]
 
 
 def _run(
@@ -189,33 +201,39 @@ def _run(
         workers.start(i)
 
     chaos: list[str] = []
-    for share, event in SCHEDULE:
+    timeline: list[float] = []  # seconds from the workers' start to each event
+    for when, what in SCHEDULE:
+        # What the event aims at: the step itself, or the join (every child's event lands before it).
+        aim = when if isinstance(when, str) else "join"
 
-        def reached(share: float = share, event: str = event) -> bool:
+        def reached(when: float | str = when) -> bool:
             workers.keep_up()
-            if event == "kill both" and not _join_attempts(workers, run):
-                return False  # the join is not running yet: kill it in flight, not before
-            return _count(db, schema, run, "child") >= share * CHILDREN
+            if isinstance(when, str):
+                return bool(_attempts(workers, run, when))
+            return _count(db, schema, run, "child") >= when * CHILDREN
 
         wait_for(
             reached,
             timeout_ms=120_000,
             interval_ms=20,
-            message=f"run {run}: {_count(db, schema, run, 'child')} of {CHILDREN} children done, waiting for "
-            f"{share:.0%}\n{workers.tails()}",
+            message=f"run {run}: waiting for {when!r} ({_count(db, schema, run, 'child')} of {CHILDREN} children "
+            f"done)\n{workers.tails()}",
         )
-        pending = _count(db, schema, run, "join") == 0
-        if event == "kill both":
-            for i in range(len(workers.processes)):
-                workers.kill(i)
-        elif event.startswith("kill"):
-            workers.kill(int(event[-1]))
+        pending = _count(db, schema, run, aim) == 0
+        timeline.append(round(time.monotonic() - started, 1))
+        if what == "kill its worker":
+            pid = _attempts(workers, run, str(when))[-1]
+            running = [i for i, process in enumerate(workers.processes) if process is not None and process.pid == pid]
+            assert running, f"run {run}: the worker running {when} (pid {pid}) is gone already"
+            workers.kill(running[0])
+        elif what.startswith("kill"):
+            workers.kill(int(what[-1]))
         else:
             proxy.stop()
             time.sleep(CUT_S)  # the outage itself, not a wait for a condition
             proxy.start()
         if pending:
-            chaos.append(event)
+            chaos.append(f"{when}: {what}")
 
     def finished() -> bool:
         workers.keep_up()
@@ -225,6 +243,7 @@ def _run(
     elapsed = time.monotonic() - started
     # Stop gracefully: whatever is in flight finishes, so a late second run of a step would be counted.
     workers.stop()
+    stopped = time.monotonic() - started - elapsed
     status = workflow_status(db, schema, workflow.id)
     effects = _rows(
         db,
@@ -247,6 +266,7 @@ def _run(
         "broker": kind,
         "children": CHILDREN,
         "seconds": round(elapsed, 1),
+        "stop_seconds": round(stopped, 1),
         "effects": {str(step): (int(rows), int(distinct)) for step, rows, distinct in effects},
         "join": [
             {"in_order": int(n), "children_seen": int(seen)}
@@ -270,9 +290,10 @@ def _run(
         ],
         "state": status.state,
         "steps": steps,
-        "chaos_before_join": chaos,
-        # Runs of the join started (its commits are "effects"): more than one is a join killed in flight.
-        "join_attempts": _join_attempts(workers, run),
+        "chaos_in_time": chaos,
+        "timeline": timeline,
+        # Runs of each single step started (its commits are "effects"): more than one is a run killed in flight.
+        "attempts": {step: len(_attempts(workers, run, step)) for step in ("start", "join", "finish")},
         "worker_restarts_on_their_own": workers.restarts,
     }
 

@@ -99,6 +99,10 @@ class Workers:
                 self.start(i)
 
     def stop(self) -> None:
+        """Stop every worker gracefully, all at once (each finishes what it holds), and wait for each."""
+        for process in self.processes:
+            if process is not None and process.poll() is None and process.stdin is not None:
+                process.stdin.close()
         for process in self.processes:
             if process is not None:
                 stop_app(process)

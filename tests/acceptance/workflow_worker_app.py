@@ -2,8 +2,10 @@
 
 Settings in the environment (set by the test): ``DATABASE_URL`` (through the test's proxy when it
 cuts Postgres), ``SCHEMA``, ``QUEUE``, ``BROKER`` (``postgres`` or ``outbox``; an outbox worker runs
-the relay too, as ``WorkerRelay``), ``RABBITMQ_URL`` for the outbox, and ``CHILD_MS`` / ``JOIN_MS``
-(how long a child and the join step work, so the test's kills and cuts land while they run).
+the relay too, as ``WorkerRelay``), ``RABBITMQ_URL`` for the outbox, and ``CHILD_MS`` / ``STEP_MS``
+(how long a child and each single step work, so the test's kills and cuts land while they run).
+A single step (``start``, ``join``, ``finish``) logs ``<step> attempt run=R pid=P`` to stderr when
+it starts, so the test can kill (or cut) that very run in flight.
 
 Every step writes one row to ``effects`` on the job's connection, so the effect, the idempotency
 key, the step's mark and the next stage's messages commit together: a row twice is a step whose
@@ -38,7 +40,7 @@ from dramatiq_reliable.workflows import Workflows
 DATABASE_URL, SCHEMA, QUEUE = os.environ["DATABASE_URL"], os.environ["SCHEMA"], os.environ["QUEUE"]
 THREADS = int(os.environ.get("THREADS", "4"))
 CHILD_S = int(os.environ.get("CHILD_MS", "0")) / 1000
-JOIN_S = int(os.environ.get("JOIN_MS", "0")) / 1000
+STEP_S = int(os.environ.get("STEP_MS", "0")) / 1000
 # Many short retries: a Postgres cut must cost a delay, never a dead step (that would fail the workflow).
 # Workflows comes last: its after-hook runs first, inside the step's job transaction.
 middleware = build_middleware(
@@ -48,7 +50,7 @@ middleware = build_middleware(
 broker: PostgresBroker | OutboxBroker
 if os.environ["BROKER"] == "postgres":
     broker = PostgresBroker(
-        database=DATABASE_URL, schema=SCHEMA, lease_ms=1500, pool_max_size=THREADS + 4, middleware=middleware
+        database=DATABASE_URL, schema=SCHEMA, lease_ms=1000, pool_max_size=THREADS + 4, middleware=middleware
     )
 else:
     broker = OutboxBroker(
@@ -74,8 +76,15 @@ def _effect(run: int, step: str, n: int = 0, seen: int | None = None) -> None:
     job_connection().execute(_EFFECT, (run, step, n, seen, os.getpid()))
 
 
+def _attempt(run: int, step: str) -> None:
+    """Log this run of ``step`` (committed or not: a killed one is run again), then work a while."""
+    print(f"{step} attempt run={run} pid={os.getpid()}", file=sys.stderr, flush=True)
+    time.sleep(STEP_S)
+
+
 @dramatiq.actor(queue_name=QUEUE, actor_name="start")
 def start(run: int) -> dict[str, int]:
+    _attempt(run, "start")
     _effect(run, "start")
     return {"run": run}
 
@@ -90,9 +99,7 @@ def child(run: int, n: int, started: dict[str, int]) -> int:
 
 @dramatiq.actor(queue_name=QUEUE, actor_name="join")
 def join(run: int, results: list[int]) -> int:
-    # Counted by the test from the log: runs of the join, committed or not (a killed one is run again).
-    print(f"join attempt run={run} pid={os.getpid()}", file=sys.stderr, flush=True)
-    time.sleep(JOIN_S)
+    _attempt(run, "join")
     row = job_connection().execute(_CHILDREN_SEEN, (run,)).fetchone()
     # n: 1 when the children's results came in the group's order; seen: the children's effects visible now.
     _effect(run, "join", int(results == list(range(len(results)))), int(row[0]) if row else None)
@@ -101,6 +108,7 @@ def join(run: int, results: list[int]) -> int:
 
 @dramatiq.actor(queue_name=QUEUE, actor_name="finish")
 def finish(run: int, total: int) -> None:
+    _attempt(run, "finish")
     _effect(run, "finish", total)
 
 
