@@ -267,7 +267,7 @@ class Batches(Middleware):
                     if not self._with_commit(broker, message, conn):
                         self._finish(broker, message, dead=False, conn=conn)
                 except Exception as error:
-                    if left_to_commit(conn, error):
+                    if left_to_commit(conn):
                         raise  # the job's commit fails, and it is retried or dead-lettered
                     # The job would commit without its count: fail it, and Idempotency rolls it back.
                     self._failed_closed.fail(message, error, what=what, timeout_ms=None)

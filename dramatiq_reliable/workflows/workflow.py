@@ -332,7 +332,7 @@ class Workflows(Middleware):
                 try:
                     self.finish(broker, message, dead=False, result=result, conn=conn)
                 except Exception as error:
-                    if left_to_commit(conn, error):
+                    if left_to_commit(conn):
                         raise  # the job's commit fails, and it is retried or dead-lettered
                     # The job would commit its mark without the next stage (a send refused by a
                     # before_enqueue hook): fail it, and Idempotency rolls it back.
