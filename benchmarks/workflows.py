@@ -10,9 +10,13 @@ On a ``PostgresBroker`` with ``Idempotency`` (transactional) and ``Batches``, ea
      until its callback has run (every child counts itself and the last one sends the callback).
   ``batch_ratio`` is (plain time) / (batch time): 1.0 means the counting costs nothing.  The send side
   (``send_ratio``) is reported too: a child is one more statement in the sender's transaction.
-  Phases 1 and 2 alternate for ``--rounds`` rounds (plain, batch, plain, batch, ...) so a shared
-  machine's load lands on both alike; each ratio is a round's, and the line gives their median with
-  the spread (``batch_ratio_min``/``batch_ratio_max``) and the load average beside it.
+  A round is one plain phase and one batch phase, and which of the two goes first alternates from
+  round to round (plain first, then batch first, ...), as in benchmarks/flow_order.py: a shared
+  machine's load lands on both alike, and neither is always the one that starts on a warm (or
+  busy) server.  Each ratio is a round's; the line gives their median (``batch_ratio``), every
+  round's (``batch_ratios``), the spread (``batch_ratio_min``/``batch_ratio_max`` and
+  ``batch_ratio_spread``, max - min) and the load average before and after.  Read a median whose
+  spread is wider than the difference you look for as noise, not as a result.
   3. latency: ``--batches`` batches of ``--batch-size`` children, one after the other; for each, the
      time from the last child's count (its ``finished_at``, Postgres' clock) to the callback starting
      (``clock_timestamp()`` read by the callback, same clock).  ``callback_p99_ms`` is their p99.
@@ -47,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=int(os.environ.get("WORKFLOWS_BENCH_N", "10000")))
     parser.add_argument("--threads", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3, help="plain/batch pairs, interleaved")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="plain/batch pairs, interleaved, the first of each alternating"
+    )
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=20)
     return parser.parse_args(argv)
@@ -149,7 +155,10 @@ def latencies(schema: str, batches: int, size: int, threads: int) -> list[float]
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
-    kinds = [f"{kind}{r}" for r in range(args.rounds) for kind in ("plain", "batch")]
+    # Plain first in even rounds, batch first in odd ones.
+    kinds = [
+        f"{kind}{r}" for r in range(args.rounds) for kind in (("plain", "batch") if r % 2 == 0 else ("batch", "plain"))
+    ]
     schemas = {kind: f"bench_workflows_{kind}_{uuid.uuid4().hex[:6]}" for kind in [*kinds, "latency"]}
     load = os.getloadavg()[0]
     try:
@@ -176,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batch_ratio": round(statistics.median(ratios), 3),
         "batch_ratio_min": round(min(ratios), 3),
         "batch_ratio_max": round(max(ratios), 3),
+        "batch_ratio_spread": round(max(ratios) - min(ratios), 3),
+        "batch_ratios": [round(ratio, 3) for ratio in ratios],
         "send_ratio": round(statistics.median(send_ratios), 3),
         "batches": args.batches,
         "batch_size": args.batch_size,

@@ -13,10 +13,11 @@ to a Postgres outage would leave the batch or workflow waiting for ever.  Instea
    letter runs the actor again and writes the mark once.  ``Idempotency`` stores no key for a
    message failed this way (record mode), so the replay is not skipped as a duplicate.
 
-In the job's transaction (transactional ``Idempotency``), a database error aborts it and the
-job's commit fails and decides; any other error (a next stage refused by a ``before_enqueue``
-hook) would let the job commit without its mark, so the message is failed and ``Idempotency``
-rolls the job back.  A death (``after_nack``) is written the same way, but the message is nacked
+In the job's transaction (transactional ``Idempotency``), an error that aborted it or lost its
+connection (in the mark or in the next stage's send) lets the job's commit fail and decide: a
+retry, as for any job whose commit failed; an error that leaves it able to commit (a next stage
+refused by a ``before_enqueue`` hook) would let the job commit without its mark, so the message
+is failed and ``Idempotency`` rolls the job back.  A death (``after_nack``) is written the same way, but the message is nacked
 already: a death that cannot be written is logged, and the dead letter's replay counts it.
 """
 
@@ -72,16 +73,19 @@ def write_until(write: Callable[[], T], *, timeout_ms: int, what: str) -> T:
             pause = min(pause * 2, _MAX_PAUSE_S)
 
 
-def left_to_commit(conn: psycopg.Connection[Any], error: BaseException) -> bool:
-    """Whether ``error`` left the job's transaction unable to commit.
+def left_to_commit(conn: psycopg.Connection[Any]) -> bool:
+    """Whether the error just raised left the job's transaction unable to commit.
 
     Then ``Idempotency``'s commit fails and decides, as for any job whose commit failed (a
     serialization failure retried, a broken connection retried as an unknown outcome).  Any
     other error would let the job commit without its mark, so the caller fails the message.
+
+    The connection decides, not the error's type: the next stage's send wraps the driver's error
+    (``OutboxWriteError``), and a connection lost there (a Postgres restart, a network cut) must
+    be retried like one lost in the mark itself, not failed into the dead letters.  A connection
+    that still looks healthy (the error came from elsewhere) could commit, so it still fails.
     """
-    return isinstance(error, psycopg.Error) and (
-        conn.closed or conn.broken or conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
-    )
+    return conn.closed or conn.broken or conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
 
 
 def dead_unrecorded(message: MessageProxy, error: BaseException, *, what: str) -> None:

@@ -95,7 +95,7 @@ class MarkingMiddleware(Middleware):
                 try:
                     self._mark(broker, message, dead=False, result=result, conn=conn)
                 except Exception as error:
-                    if left_to_commit(conn, error):
+                    if left_to_commit(conn):
                         raise  # the job's commit fails, and it is retried or dead-lettered
                     # The job would commit without its mark (or a workflow's mark without the next
                     # stage, a send refused by a before_enqueue hook): fail it, and Idempotency rolls it back.

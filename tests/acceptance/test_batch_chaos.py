@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +25,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from support import TcpProxy
-from worker_apps import kill_app, stop_app
+from worker_apps import Workers
 
 from dramatiq_reliable import OutboxBroker, PostgresBroker
 from dramatiq_reliable.testing import wait_for
@@ -46,70 +44,17 @@ SCHEDULE = ((0.15, "kill worker-0"), (0.3, "cut postgres"), (0.5, "kill worker-1
 _SETUP = """
 CREATE TABLE {schema}.effects (run int NOT NULL, n int NOT NULL, pid int NOT NULL);
 CREATE TABLE {schema}.reports (run int NOT NULL, children_seen bigint NOT NULL, pid int NOT NULL);
-CREATE TABLE {schema}.callback_enqueues (message_id text NOT NULL, retries text);
+CREATE TABLE {schema}.callback_enqueues (message_id text NOT NULL, retry_decision text);
 CREATE FUNCTION {schema}.note_callback() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF NEW.actor_name = 'report' THEN
-        INSERT INTO {schema}.callback_enqueues (message_id, retries)
-        VALUES (NEW.message_id, convert_from(NEW.body, 'UTF8')::jsonb -> 'options' ->> 'retries');
+        INSERT INTO {schema}.callback_enqueues (message_id, retry_decision)
+        VALUES (NEW.message_id, convert_from(NEW.body, 'UTF8')::jsonb -> 'options' ->> 'retry_decision');
     END IF;
     RETURN NEW;
 END $$;
 CREATE TRIGGER note_callback AFTER INSERT ON {schema}.{table} FOR EACH ROW EXECUTE FUNCTION {schema}.note_callback();
 """
-
-
-class Workers:
-    """The worker processes of a run, each restartable, their stderr in one log per worker."""
-
-    def __init__(self, env: dict[str, str], log_dir: Path, count: int = 2) -> None:
-        self.env = env
-        self.logs = [log_dir / f"worker-{i}.log" for i in range(count)]
-        self.processes: list[subprocess.Popen[str] | None] = [None] * count
-        self.restarts = 0
-
-    def start(self, i: int) -> None:
-        with self.logs[i].open("a") as log:
-            self.processes[i] = subprocess.Popen(
-                [sys.executable, str(APP)],
-                env=self.env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-                text=True,
-            )
-
-    def kill(self, i: int) -> None:
-        process = self.processes[i]
-        if process is not None:
-            kill_app(process)
-        self.start(i)
-
-    def keep_up(self) -> None:
-        """Restart a worker that exited on its own (counted, not hidden)."""
-        for i, process in enumerate(self.processes):
-            if process is not None and process.poll() is not None:
-                self.restarts += 1
-                if process.stdin is not None:
-                    process.stdin.close()
-                self.start(i)
-
-    def stop(self) -> None:
-        for process in self.processes:
-            if process is not None:
-                stop_app(process)
-
-    def close(self) -> None:
-        for process in self.processes:
-            if process is not None:
-                kill_app(process)
-
-    def tails(self, lines: int = 30) -> str:
-        return "\n".join(
-            f"== {log.name} ==\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-            for log in self.logs
-            if log.exists()
-        )
 
 
 def _one(db: psycopg.Connection[Any], query: str, schema: str, *params: Any) -> Any:
@@ -153,7 +98,7 @@ def test_a_batch_fires_its_callback_once_after_every_child_through_kills_and_pos
     env = {**os.environ, "DATABASE_URL": proxy.url, "SCHEMA": db_schema, "QUEUE": queue, "BROKER": kind}
     if kind == "outbox":
         env["RABBITMQ_URL"] = str(request.getfixturevalue("rabbitmq_url"))
-    workers = Workers(env, tmp_path)
+    workers = Workers(APP, env, tmp_path)
     ledgers = []
     try:
         for run in range(RUNS):
@@ -243,10 +188,11 @@ def _run(
         "seconds": round(elapsed, 1),
         "reports": len(reports),
         "children_seen": [int(row[0]) for row in reports],
-        # A retry of the callback itself is a new row with options.retries set: not a second fire.
+        # A retry of the callback itself is a new row with its options.retry_decision set (a commit whose
+        # outcome was unknown sets unknown_outcome_retries, not retries): not a second fire.
         "enqueues": _one(
             db,
-            "SELECT count(*) FROM {schema}.callback_enqueues WHERE message_id = %s AND retries IS NULL",
+            "SELECT count(*) FROM {schema}.callback_enqueues WHERE message_id = %s AND retry_decision IS NULL",
             schema,
             batch.callback.message_id,
         ),

@@ -60,3 +60,61 @@ def run_until_stdin_closes(broker: Any, *, threads: int = 2, prefetch: int | Non
     finally:
         worker.stop()
         broker.close()
+
+
+class Workers:
+    """The processes of one worker app (chaos tests), each restartable, their stderr in one log per worker."""
+
+    def __init__(self, app: Path, env: dict[str, str], log_dir: Path, count: int = 2) -> None:
+        self.app = app
+        self.env = env
+        self.logs = [log_dir / f"worker-{i}.log" for i in range(count)]
+        self.processes: list[subprocess.Popen[str] | None] = [None] * count
+        self.restarts = 0
+
+    def start(self, i: int) -> None:
+        with self.logs[i].open("a") as log:
+            self.processes[i] = subprocess.Popen(
+                [sys.executable, str(self.app)],
+                env=self.env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                text=True,
+            )
+
+    def kill(self, i: int) -> None:
+        process = self.processes[i]
+        if process is not None:
+            kill_app(process)
+        self.start(i)
+
+    def keep_up(self) -> None:
+        """Restart a worker that exited on its own (counted, not hidden)."""
+        for i, process in enumerate(self.processes):
+            if process is not None and process.poll() is not None:
+                self.restarts += 1
+                if process.stdin is not None:
+                    process.stdin.close()
+                self.start(i)
+
+    def stop(self) -> None:
+        """Stop every worker gracefully, all at once (each finishes what it holds), and wait for each."""
+        for process in self.processes:
+            if process is not None and process.poll() is None and process.stdin is not None:
+                process.stdin.close()
+        for process in self.processes:
+            if process is not None:
+                stop_app(process)
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process is not None:
+                kill_app(process)
+
+    def tails(self, lines: int = 30) -> str:
+        return "\n".join(
+            f"== {log.name} ==\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+            for log in self.logs
+            if log.exists()
+        )

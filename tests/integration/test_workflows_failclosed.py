@@ -20,6 +20,7 @@ from dramatiq.middleware import Callbacks, Middleware
 from psycopg import sql
 
 from dramatiq_reliable import DeadLetters, Idempotency, MiddlewareFailed, PostgresBroker, PostgresDeadLetterStore
+from dramatiq_reliable.binding import bound_connection
 from dramatiq_reliable.testing import wait_for
 from dramatiq_reliable.workflows import Batch, Batches, Workflow, Workflows, batch_status, workflow_status
 
@@ -204,3 +205,59 @@ def test_a_next_stage_refused_in_the_jobs_transaction_rolls_the_step_back_into_t
     assert PostgresDeadLetterStore.from_broker(broker).replay(ids=[dead.id]).replayed == 1
     wait_for(lambda: "ab" in ran, timeout_ms=15_000, message="the replayed step did not resume the workflow")
     assert ran == ["first", "first", "ab"]
+
+
+class _CutOnSend(Middleware):
+    """Terminates the job's own Postgres backend as it sends the next stage (``actor`` named), once.
+
+    The send then fails on the job's connection (wrapped as ``OutboxWriteError``, not a psycopg
+    error), as a Postgres restart or a network cut between the step's mark and its next stage would.
+    """
+
+    url: ClassVar[str] = ""
+    actor: ClassVar[str | None] = None
+
+    def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
+        conn = bound_connection()
+        if message.actor_name != self.actor or conn is None:
+            return
+        type(self).actor = None
+        with psycopg.connect(self.url, autocommit=True) as killer:
+            killer.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+
+
+@pytest.mark.needs_session("terminates the job's own backend, which a pooler hides")
+@pytest.mark.parametrize("broker", ["transactional"], indirect=True)
+def test_a_next_stage_lost_with_the_jobs_connection_is_retried_not_dead_lettered(
+    broker: PostgresBroker, worker: dramatiq.Worker, db_schema: str, direct_database_url: str
+) -> None:
+    ran: list[str] = []
+
+    @dramatiq.actor(queue_name="cut", broker=broker, min_backoff=10, max_backoff=50)
+    def first() -> str:
+        ran.append("first")
+        return "a"
+
+    @dramatiq.actor(queue_name="cut", broker=broker)
+    def second(previous: str) -> None:
+        ran.append(previous + "b")
+
+    broker.add_middleware(_CutOnSend())
+    workflow = Workflow([first.message(), second.message()], broker=broker)
+    with broker.transaction():
+        workflow.run()
+    _CutOnSend.url, _CutOnSend.actor = direct_database_url, "second"
+    try:
+        worker.start()
+        # The job's transaction was lost with its connection: nothing of it committed, so the
+        # step is retried; failing it into the dead letters left the workflow waiting for a replay.
+        wait_for(
+            lambda: "ab" in ran or _dead_letters(broker),
+            timeout_ms=15_000,
+            message="the step neither resumed the workflow nor died",
+        )
+        assert _dead_letters(broker) == [], "a lost connection is an outage to retry, not a step to replay"
+        wait_for(lambda: workflow_status(broker.database, db_schema, workflow.id).state == "succeeded")
+    finally:
+        _CutOnSend.actor = None
+    assert _CutOnSend.actor is None and ran == ["first", "first", "ab"]
