@@ -37,7 +37,6 @@ __all__ = [
     "LATEST_VERSION",
     "LONG_JOBS_VERSION",
     "ORDER_CONCURRENCY_VERSION",
-    "ORDER_PARK_AT_SEND_VERSION",
     "OUTBOX_VERSION",
     "QUEUE_VERSION",
     "RATE_LIMITS_VERSION",
@@ -76,9 +75,6 @@ RATE_LIMITS_VERSION = 13
 # Order per key and concurrency per key (flow/order.py, flow/concurrency.py): created by 14; the
 # functions this code calls (a head's lease on its job row, woken jobs keep their priority) by 20.
 ORDER_CONCURRENCY_VERSION = 20
-# An ordered job that is not its key's head parked at send, woken at the sender's commit: created
-# by 22.  Optional: below it an ordered job is sent, delivered and parked when delivered early.
-ORDER_PARK_AT_SEND_VERSION = 22
 # Batches and their completion callback (workflows/batch.py): created by 15.
 BATCH_VERSION = 15
 # Workflows: chains of steps and groups (workflows/workflow.py): created by 17.

@@ -36,7 +36,7 @@ import datetime
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, ClassVar, Literal, NamedTuple, TypedDict
 
 import psycopg
@@ -62,12 +62,10 @@ from .errors import ConfigurationError, NotBound, OutboxWriteError, PayloadError
 __all__ = [
     "DEFAULT_PAYLOAD_LIMIT_BYTES",
     "MAX_ETA_MS",
-    "Divert",
     "Row",
     "RowSending",
     "TrackProcessing",
     "Unbound",
-    "divert_write",
     "processing_message",
     "validate_send",
 ]
@@ -188,37 +186,6 @@ class _Attempts:
         return pause
 
 
-#: A write that replaces the broker's own for one message (see :func:`divert_write`): given the
-#: send's connection and row, True when it wrote the message, False to let the broker write it.
-Divert = Callable[[psycopg.Connection[Any], Row], bool]
-_diverted: contextvars.ContextVar[tuple[str, Divert] | None] = contextvars.ContextVar(
-    "dramatiq_reliable_divert", default=None
-)
-
-
-def divert_write(message: Message[Any], write: Divert) -> None:
-    """From a ``before_enqueue`` hook: let ``write`` write ``message`` instead of the broker.
-
-    Why: ``OrderedKeys`` keeps a job that is not its key's head in Postgres instead of sending it
-    to be delivered, found early and parked (see :mod:`dramatiq_reliable.flow.order`).  ``write``
-    runs on the connection and in the transaction the broker's own write would have used, with the
-    row as encoded after every ``before_enqueue`` hook (trace context included), and only on the
-    sync path with a connection bound (an async send, a deduplicated send or an autocommit send
-    writes as usual: ``write`` must cope with not being called).  The hooks and the message
-    returned are those of any send.
-    """
-    _diverted.set((message.message_id, write))
-
-
-def _diversion(message: Message[Any]) -> Divert | None:
-    """The write a hook registered for ``message``, taken off so it never applies to another send."""
-    diverted = _diverted.get()
-    if diverted is None:
-        return None
-    _diverted.set(None)
-    return diverted[1] if diverted[0] == message.message_id else None
-
-
 class _Send(NamedTuple):
     """A send between its validation and its write."""
 
@@ -226,7 +193,6 @@ class _Send(NamedTuple):
     delay: int | None
     row: Row
     dedupe: tuple[str, int] | None
-    divert: Divert | None = None
 
 
 class RowSending:
@@ -317,7 +283,7 @@ class RowSending:
         """
         send = self._begin_send(message, delay)
         try:
-            first = self._write(send.message, send.row, send.dedupe, send.divert)
+            first = self._write(send.message, send.row, send.dedupe)
         except BaseException as error:
             self._emit_enqueue_failed(send.message, delay, error)
             raise
@@ -354,15 +320,13 @@ class RowSending:
         broker.declare_queue(canonical)
         try:
             broker.emit_before("enqueue", message, delay)
-            divert = _diversion(message)
             # Encoded again: before_enqueue hooks may have added options (trace context).
             body = self.encode(message, warn=False)
             row = self._row(message, canonical, body)
         except BaseException as error:
-            _diversion(message)
             self._emit_enqueue_failed(message, delay, error)
             raise
-        return _Send(message, delay, row, dedupe, divert if dedupe is None else None)
+        return _Send(message, delay, row, dedupe)
 
     def _check_message(self, message: Message[Any]) -> None:
         """A broker's own refusals (``PayloadError``), before anything else a send does."""
@@ -454,13 +418,11 @@ class RowSending:
                 processing.message_id,
             )
 
-    def _write(
-        self, message: Message[Any], row: Row, dedupe: tuple[str, int] | None = None, divert: Divert | None = None
-    ) -> str:
+    def _write(self, message: Message[Any], row: Row, dedupe: tuple[str, int] | None = None) -> str:
         """Write the row; the id of the message sent (another one's when ``dedupe``'s key was held)."""
         conn = joinable_connection(self.database, actor_name=message.actor_name)
         if conn is not None:
-            return self._execute(conn, row, message, dedupe, divert)
+            return self._execute(conn, row, message, dedupe)
         return self._write_unbound(message, row, dedupe, isinstance(threading.current_thread(), WorkerThread))
 
     def _write_unbound(self, message: Message[Any], row: Row, dedupe: tuple[str, int] | None, in_worker: bool) -> str:
@@ -578,13 +540,10 @@ class RowSending:
         row: Row,
         message: Message[Any],
         dedupe: tuple[str, int] | None,
-        divert: Divert | None = None,
     ) -> str:
         self._check_schemas(conn, dedupe is not None)
         with self._write_errors(row):
-            if divert is not None and divert(conn, row):
-                first = message.message_id
-            elif dedupe is None:
+            if dedupe is None:
                 self._insert(conn, row)
                 first = message.message_id
             else:

@@ -1,18 +1,11 @@
 """Order per key: jobs with the same ``order_key`` run one at a time, in send order, on every worker.
 
 **At send time** the job gets its place in its key's sequence: a row in ``order_jobs`` written
-in the sender's transaction, from a ``before_enqueue`` hook.  Senders of one key take a per-key
-lock until they commit, so the sequence is the order of their commits; inside one transaction it
-is the order of the ``send()`` calls.  A send with nothing bound opens a short transaction of its
-own for the row and the message together, so neither is written without the other (a place whose
-message never came would hold the key for ever).
-
-The message itself is not written to the outbox or the queue but *parked at send*: its body waits
-on its ``order_jobs`` row (:func:`~dramatiq_reliable.sending.divert_write`), and the sender's
-commit sends it if it is its key's head (a deferred trigger, migration 22).  A job of a busy key so
-reaches a worker once, when its turn comes, instead of twice (delivered early, parked, sent again).
-A delayed send, an async send, a send under REPEATABLE READ or SERIALIZABLE and a schema below
-version 22 write the message as before; it parks when delivered early.
+in the sender's transaction, from a ``before_enqueue`` hook (the send path itself is untouched).
+Senders of one key take a per-key lock until they commit, so the sequence is the order of their
+commits; inside one transaction it is the order of the ``send()`` calls.  A send with nothing
+bound opens a short transaction of its own for the row and the message together, so neither is
+written without the other (a place whose message never came would hold the key for ever).
 
 **At consume time** only the head of a key (its lowest place) runs, under a lease on its own
 ``order_jobs`` row that a heartbeat renews.  A job delivered before its turn is *parked*: its body
@@ -51,8 +44,6 @@ from ..database import Database, DatabaseLike
 from ..errors import ActorOptionError, DatabaseUnavailable
 from ..idempotency._connections import autocommit
 from ..postgres.claims import ClaimListeners
-from ..schema import ORDER_PARK_AT_SEND_VERSION, current_version
-from ..sending import Row, divert_write
 from ._keyed import (
     DEFAULT_LEASE_MS,
     KeyedMiddleware,
@@ -151,8 +142,6 @@ class OrderedKeys(KeyedMiddleware[_Head]):
         self._taking = threading.Lock()
         self._queued: list[_Waiter] = []
         self._busy = False
-        # Whether the schema parks at send (version 22), once known: it only ever goes up.
-        self._parks_at_send: bool | None = None
 
     @property
     def actor_options(self) -> set[str]:
@@ -219,16 +208,6 @@ class OrderedKeys(KeyedMiddleware[_Head]):
             ) from error
         assert row is not None
         message.options[ORDER_SEQ_OPTION] = int(row["seq"])
-        if delay is None and self._park_at_send(conn, schema):
-            target = self.database_for(broker)[2]["target"]
-            divert_write(message, lambda send_conn, send_row: _hold(send_conn, send_row, schema, target))
-
-    def _park_at_send(self, conn: psycopg.Connection[Any], schema: str) -> bool:
-        """Whether the schema is at version 22 (asked once: a deploy whose code lands before its
-        migration sends ordered jobs the old way until it restarts)."""
-        if self._parks_at_send is None:
-            self._parks_at_send = (current_version(conn, schema=schema) or 0) >= ORDER_PARK_AT_SEND_VERSION
-        return self._parks_at_send
 
     def after_enqueue(self, broker: Broker, message: Message[Any], delay: int | None) -> None:
         self._close_own(message.message_id, None)
@@ -611,19 +590,6 @@ def _take_many(database: Database, schema: str, group: list[dict[str, Any]]) -> 
     if len(rows) != len(group):
         raise RuntimeError(f"{len(group)} takes gave {len(rows)} rows")
     return rows
-
-
-def _hold(conn: psycopg.Connection[Any], row: Row, schema: str, target: str) -> bool:
-    """The send's write of an ordered job: its body onto its ``order_jobs`` row (True), sent by
-    the sender's commit if it is then its key's head; False: the broker writes it as usual."""
-    params = {
-        "message_id": row["message_id"],
-        "queue_name": row["queue_name"],
-        "body": row["body"],
-        "priority": row["priority"],
-        "target": target,
-    }
-    return conn.execute(_sql.rendered("order_hold", schema), params).fetchone() is not None
 
 
 def _lock_prefix(schema: str) -> str:

@@ -29,7 +29,7 @@ from dramatiq_reliable.cli import main
 from dramatiq_reliable.dead_letters import PostgresDeadLetterStore
 from dramatiq_reliable.flow import OrderedKeys, order_waiting
 from dramatiq_reliable.flow import order as order_module
-from dramatiq_reliable.jobs import cancel_job
+from dramatiq_reliable.jobs import cancel_job, show_job
 from dramatiq_reliable.schema import ORDER_CONCURRENCY_VERSION
 from dramatiq_reliable.testing import wait_for
 
@@ -387,3 +387,23 @@ def test_takes_written_in_one_group_never_wait_for_a_key_locked_elsewhere(
         assert [state for *_, state in _rows(db, db_schema)] == ["running", "waiting"]  # "locked" was left as it was
     finally:
         broker.close()
+
+
+def test_jobs_show_says_a_parked_job_waits_for_its_turn_and_which_job_holds_its_key(
+    ordered: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    middleware = next(m for m in ordered.middleware if isinstance(m, OrderedKeys))
+    step = dramatiq.actor(lambda n: None, actor_name="step", queue_name=queue, broker=ordered, order_key=lambda n: "k")
+    with ordered.transaction():
+        head, _, third = (step.send(n) for n in range(3))
+    table = sql.Identifier(db_schema, "queue" if isinstance(ordered, PostgresBroker) else "outbox")
+    db.execute(sql.SQL("DELETE FROM {}").format(table))  # delivered (and acked): the broker's rows are gone
+    middleware.before_process_message(ordered, MessageProxy(head))
+    with pytest.raises(SkipMessage, match="not its turn"):  # delivered early, on another worker thread
+        contextvars.copy_context().run(middleware.before_process_message, ordered, MessageProxy(third))
+    status = show_job(ordered.database, db_schema, third.message_id)
+    assert status.state == "waiting"
+    assert status.actor_name == "step"
+    assert "order key 'k': 2 job(s) ahead" in status.detail
+    assert f"its head {head.message_id} is running" in status.detail
+    middleware.after_process_message(ordered, MessageProxy(head), result=None)
