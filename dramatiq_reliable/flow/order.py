@@ -320,7 +320,7 @@ class OrderedKeys(KeyedMiddleware[_Head]):
             "async": resend["target"] == "queue",
         }
 
-    def take_claimed(self, broker: Broker, messages: Sequence[MessageProxy]) -> None:
+    def take_claimed(self, broker: Broker, messages: Sequence[MessageProxy]) -> list[MessageProxy]:
         """Take the ordered messages of a batch a ``PostgresBroker`` consumer just claimed, in one
         statement on the consumer's thread, and leave each answer on its message.
 
@@ -330,6 +330,11 @@ class OrderedKeys(KeyedMiddleware[_Head]):
         message; a message given back unprocessed, or skipped or failed before this middleware saw
         it, lets its lease go at once (:meth:`_let_go`).  A key another transaction holds is not
         waited for: that message is taken by its worker thread, as without a claim.
+
+        Returns the messages settled here, which the consumer acks without handing them to a
+        worker thread: those delivered before their turn (parked by this take, as a worker
+        thread's take would have parked them) and redeliveries of finished jobs.  In an ordered
+        drain nearly every first delivery is one of those.
         """
         ordered = [
             message
@@ -337,16 +342,21 @@ class OrderedKeys(KeyedMiddleware[_Head]):
             if ORDER_SEQ_OPTION in message.options and self._derive_of(broker, message.actor_name) is not None
         ]
         if not ordered:
-            return
+            return []
         database, schema, _ = self.database_for(broker)
         rows = _take_many(database, schema, [self._take_params(broker, message) for message in ordered])
+        settled: list[MessageProxy] = []
         for message, row in zip(ordered, rows, strict=True):
-            if row["outcome"] == "busy":
-                continue
             if row["outcome"] == "run":
                 lease = _Head(row["key"], int(row["seq"]), int(row["token"]), message.message_id)
                 self._held.hold(lease, message_id=message.message_id)
-            message.notes[_NOTE] = row
+                message.notes[_NOTE] = row
+            elif row["outcome"] == "parked":
+                events.emit(OrderParked(message.actor_name, message.message_id, row["key"], int(row["seq"])))
+                settled.append(message)
+            elif row["outcome"] == "unknown":
+                settled.append(message)  # done already: a redelivery
+        return settled
 
     def _let_go(self, broker: Broker, message: MessageProxy) -> None:
         """Release a lease taken at claim time for a message that will not run under it (given back,
@@ -505,8 +515,8 @@ class _TakeAtClaim:
     def __hash__(self) -> int:
         return hash((id(self._middleware), id(self._broker)))
 
-    def claimed(self, messages: Sequence[MessageProxy]) -> None:
-        self._middleware.take_claimed(self._broker, messages)
+    def claimed(self, messages: Sequence[MessageProxy]) -> list[MessageProxy]:
+        return self._middleware.take_claimed(self._broker, messages)
 
     def given_back(self, messages: Sequence[MessageProxy]) -> None:
         for message in messages:

@@ -6,7 +6,10 @@ job.  On a ``PostgresBroker`` the consumer claims rows in batches on its own thr
 registered here is told of each batch as it is claimed, so it can ask for the whole batch in one
 statement there and leave its answer on each message (:attr:`PostgresMessage.notes
 <dramatiq_reliable.postgres.consumer.PostgresMessage.notes>`), and of the messages given back
-unprocessed (a worker stopping, a consumer closed), so it can undo what it did for them.
+unprocessed (a worker stopping, a consumer closed), so it can undo what it did for them.  A
+listener may also *settle* messages: those it returns from ``claimed`` are acked by the consumer
+without reaching a worker thread (``OrderedKeys``: a job delivered before its turn, whose body
+it already parked in Postgres), as Dramatiq acks a message a middleware skipped.
 
 A listener that fails is logged and skipped: the messages go on as if it had said nothing, so a
 listener must treat a message without its note as never seen (ask then, as without a claim).
@@ -16,8 +19,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
+
+from dramatiq.broker import MessageProxy
 
 if TYPE_CHECKING:
     from .consumer import PostgresMessage
@@ -30,7 +35,9 @@ logger = logging.getLogger("dramatiq_reliable.postgres.claims")
 class ClaimListener(Protocol):
     """Told of the messages a consumer claimed (before any worker thread sees them) and gave back."""
 
-    def claimed(self, messages: Sequence[PostgresMessage]) -> None: ...
+    def claimed(self, messages: Sequence[PostgresMessage]) -> Iterable[MessageProxy]:
+        """Told of a claimed batch; returns the messages it settled (to ack unrun), if any."""
+        ...
 
     def given_back(self, messages: Sequence[PostgresMessage]) -> None: ...
 
@@ -51,12 +58,15 @@ class ClaimListeners:
         with self._lock:
             self._listeners = [other for other in self._listeners if other is not listener]
 
-    def claimed(self, messages: Sequence[PostgresMessage]) -> None:
+    def claimed(self, messages: Sequence[PostgresMessage]) -> set[int]:
+        """Tell every listener; the ids (``id()``) of the messages one of them settled."""
+        settled: set[int] = set()
         for listener in self._listeners:
             try:
-                listener.claimed(messages)
+                settled.update(id(message) for message in listener.claimed(messages))
             except Exception:
                 logger.warning("claim listener %r failed; its messages go on without its note", listener, exc_info=True)
+        return settled
 
     def given_back(self, messages: Sequence[PostgresMessage]) -> None:
         for listener in self._listeners:

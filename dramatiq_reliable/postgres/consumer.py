@@ -283,8 +283,12 @@ class PostgresConsumer(Consumer):
         self.broker.leases.hold(self.queue_name, rows)
         messages = [message for message in map(self._decode, rows) if message is not None]
         if messages:
-            self.broker.claims.claimed(messages)
-            self._buffer.extend(messages)
+            settled = self.broker.claims.claimed(messages)
+            for message in messages:
+                if id(message) in settled:  # a listener dealt with it: acked unrun, as a skipped message
+                    self.ack(message)
+                else:
+                    self._buffer.append(message)
         return True
 
     def _decode(self, row: queue.ClaimedRow) -> PostgresMessage | None:

@@ -99,3 +99,26 @@ def test_messages_given_back_or_stopped_before_ordered_keys_let_their_lease_go_a
     again = _claim(broker)
     assert [m.message_id for m in again] == [given.message_id]
     assert again[0].notes["order"]["outcome"] == "run"
+
+
+def test_a_job_claimed_before_its_turn_is_parked_and_acked_without_reaching_a_worker_thread(
+    booted: tuple[PostgresBroker, OrderedKeys, Any], db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    broker, middleware, _ = booted
+    step = dramatiq.actor(
+        lambda n: None, actor_name="same", queue_name="ordered", broker=broker, order_key=lambda n: "k"
+    )
+    head, early = step.send(0), step.send(1)
+    claimed = _claim(broker)
+    assert [m.message_id for m in claimed] == [head.message_id], "the early job was handed to a worker thread"
+    assert _state(db, db_schema, early.message_id) == ("parked", None)
+    queue = sql.Identifier(db_schema, "queue")
+    wait_for(
+        lambda: db.execute(sql.SQL("SELECT message_id FROM {}").format(queue)).fetchall() == [(head.message_id,)],
+        message="the parked job's delivery was not acked",
+    )
+    middleware.before_process_message(broker, claimed[0])
+    middleware.after_process_message(broker, claimed[0], result=None)
+    again = _claim(broker)  # woken by the head's release
+    assert [m.message_id for m in again] == [early.message_id]
+    assert again[0].notes["order"]["outcome"] == "run"
