@@ -14,6 +14,16 @@ from typing import Any
 
 import dramatiq
 
+from dramatiq_reliable import (
+    ClassifiedRetries,
+    DeadLetters,
+    Idempotency,
+    OutboxBroker,
+    PostgresBroker,
+    WorkerRelay,
+    build_middleware,
+)
+
 
 def start_app(app: Path, **settings: str) -> subprocess.Popen[str]:
     """Start ``app`` with ``settings`` added to this process's environment."""
@@ -46,6 +56,35 @@ def kill_app(process: subprocess.Popen[str]) -> None:
         process.wait(timeout=10)
     if process.stdin is not None:
         process.stdin.close()
+
+
+def chaos_broker(marking: Any, *, lease_ms: int) -> Any:
+    """The broker of a chaos worker app, from its environment (``BROKER``, ``DATABASE_URL``,
+    ``SCHEMA``, ``THREADS``, ``RABBITMQ_URL``): Idempotency, DeadLetters and ``marking`` (Batches or
+    Workflows, last: its after-hook runs first, inside the job's transaction) with many short
+    retries, since a Postgres cut must cost a delay, never a dead job; set as Dramatiq's broker."""
+    threads = int(os.environ.get("THREADS", "4"))
+    middleware = build_middleware(
+        middleware=[Idempotency(), DeadLetters(), marking],
+        retries=ClassifiedRetries(max_retries=100, min_backoff=50, max_backoff=500),
+    )
+    database, schema = os.environ["DATABASE_URL"], os.environ["SCHEMA"]
+    broker: Any
+    if os.environ["BROKER"] == "postgres":
+        broker = PostgresBroker(
+            database=database, schema=schema, lease_ms=lease_ms, pool_max_size=threads + 4, middleware=middleware
+        )
+    else:
+        broker = OutboxBroker(
+            url=os.environ["RABBITMQ_URL"],
+            database=database,
+            schema=schema,
+            pool_max_size=threads + 4,
+            middleware=middleware,
+        )
+        broker.add_middleware(WorkerRelay(poll_interval_ms=100))
+    dramatiq.set_broker(broker)
+    return broker
 
 
 def run_until_stdin_closes(broker: Any, *, threads: int = 2, prefetch: int | None = None) -> None:

@@ -23,45 +23,16 @@ from typing import Any
 
 import dramatiq
 from psycopg import sql
-from worker_apps import run_until_stdin_closes
+from worker_apps import chaos_broker, run_until_stdin_closes
 
-from dramatiq_reliable import (
-    ClassifiedRetries,
-    DeadLetters,
-    Idempotency,
-    OutboxBroker,
-    PostgresBroker,
-    WorkerRelay,
-    build_middleware,
-    job_connection,
-)
+from dramatiq_reliable import job_connection
 from dramatiq_reliable.workflows import Workflows
 
 DATABASE_URL, SCHEMA, QUEUE = os.environ["DATABASE_URL"], os.environ["SCHEMA"], os.environ["QUEUE"]
 THREADS = int(os.environ.get("THREADS", "4"))
 CHILD_S = int(os.environ.get("CHILD_MS", "0")) / 1000
 STEP_S = int(os.environ.get("STEP_MS", "0")) / 1000
-# Many short retries: a Postgres cut must cost a delay, never a dead step (that would fail the workflow).
-# Workflows comes last: its after-hook runs first, inside the step's job transaction.
-middleware = build_middleware(
-    middleware=[Idempotency(), DeadLetters(), Workflows()],
-    retries=ClassifiedRetries(max_retries=100, min_backoff=50, max_backoff=500),
-)
-broker: PostgresBroker | OutboxBroker
-if os.environ["BROKER"] == "postgres":
-    broker = PostgresBroker(
-        database=DATABASE_URL, schema=SCHEMA, lease_ms=1000, pool_max_size=THREADS + 4, middleware=middleware
-    )
-else:
-    broker = OutboxBroker(
-        url=os.environ["RABBITMQ_URL"],
-        database=DATABASE_URL,
-        schema=SCHEMA,
-        pool_max_size=THREADS + 4,
-        middleware=middleware,
-    )
-    broker.add_middleware(WorkerRelay(poll_interval_ms=100))
-dramatiq.set_broker(broker)
+broker = chaos_broker(Workflows(), lease_ms=1000)
 
 _EFFECT = sql.SQL("INSERT INTO {} (run, step, n, seen, pid) VALUES (%s, %s, %s, %s, %s)").format(
     sql.Identifier(SCHEMA, "effects")
