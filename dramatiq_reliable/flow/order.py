@@ -8,13 +8,15 @@ bound opens a short transaction of its own for the row and the message together,
 written without the other (a place whose message never came would hold the key for ever).
 
 **At consume time** only the head of a key (its lowest place) runs, under a lease on its own
-``order_jobs`` row that a heartbeat renews.  A job delivered before its turn is *parked*: its body
-is kept on its row and the delivery acked, so nothing spins through the queue; the head's
-completion deletes its row and sends the next job again (with its priority), in the same
-transaction.  Completions are written in batches, as acks are.  Other keys are never held up.  A failed head stays the head: a retry keeps its place and the key
-waits for it; a head that dies (a dead letter) parks its key until the dead letter is replayed
-(the replay runs as the head) or discarded (the heartbeat's sweep frees the key).  A killed
-worker's lease lapses after ``lease_ms`` and the sweep hands the key on.
+``order_jobs`` row that a heartbeat renews. On a ``PostgresBroker`` the take is made when the
+consumer claims its batch (:meth:`OrderedKeys.take_claimed`), so no worker thread waits for it. A
+job delivered before its turn is *parked*: its body is kept on its row and the delivery acked, so
+nothing spins through the queue; the head's completion deletes its row and sends the next job again
+(with its priority), in the same transaction. Completions are written in batches, as acks are. Other
+keys are never held up. A failed head stays the head: a retry keeps its place and the key waits for
+it; a head that dies (a dead letter) parks its key until the dead letter is replayed (the replay
+runs as the head) or discarded (the heartbeat's sweep frees the key). A killed worker's lease lapses
+after ``lease_ms`` and the sweep hands the key on.
 """
 
 from __future__ import annotations
@@ -138,6 +140,8 @@ class OrderedKeys(KeyedMiddleware[_Head]):
         self._flushing = False
         # While a worker runs: the thread writing releases, so no worker thread waits for one.
         self._releaser: _Releaser | None = None
+        # A PostgresBroker's claim listener, registered at the first worker boot (see take_claimed).
+        self._claim_listener: _TakeAtClaim | None = None
         # Takes waiting for the statement in flight (see _run_take).
         self._taking = threading.Lock()
         self._queued: list[_Waiter] = []
@@ -259,8 +263,9 @@ class OrderedKeys(KeyedMiddleware[_Head]):
                 self._releaser = releaser
             releaser.start()
             claims = getattr(broker, "claims", None)
-            if isinstance(claims, ClaimListeners):
-                claims.add(_TakeAtClaim(self, broker))
+            if isinstance(claims, ClaimListeners) and self._claim_listener is None:  # once, however often it boots
+                self._claim_listener = _TakeAtClaim(self, broker)
+                claims.add(self._claim_listener)
 
     def before_worker_shutdown(self, broker: Broker, worker: Any) -> None:
         # Jobs still running when the worker stops release on their own thread, as without a worker.
@@ -506,14 +511,6 @@ class _TakeAtClaim:
     def __init__(self, middleware: OrderedKeys, broker: Broker) -> None:
         self._middleware = middleware
         self._broker = broker
-
-    def __eq__(self, other: object) -> bool:  # one per middleware and broker, however often a worker boots
-        return (
-            isinstance(other, _TakeAtClaim) and other._middleware is self._middleware and other._broker is self._broker
-        )
-
-    def __hash__(self) -> int:
-        return hash((id(self._middleware), id(self._broker)))
 
     def claimed(self, messages: Sequence[MessageProxy]) -> list[MessageProxy]:
         return self._middleware.take_claimed(self._broker, messages)
