@@ -13,7 +13,7 @@ import dramatiq
 import psycopg
 import pytest
 from psycopg import sql
-from worker_apps import start_app, stop_app
+from worker_apps import kill_app, start_app, stop_app
 
 from dramatiq_reliable import DeadLetterFilter, PostgresBroker
 from dramatiq_reliable.dead_letters import PostgresDeadLetterStore
@@ -101,3 +101,68 @@ def test_order_holds_across_two_workers_through_a_retry_and_a_dead_job_that_a_re
         for before, after in itertools.pairwise(mine):
             assert after[4] >= before[5], f"{key}{after[1]} started before {key}{before[1]} ended"
     assert not order_waiting(db, schema=db_schema)
+
+
+def _ok(rows: list[tuple[Any, ...]], key: str) -> list[int]:
+    return [r[1] for r in rows if r[0] == key and r[3] == "ok"]
+
+
+def test_order_holds_when_workers_are_killed_mid_job_and_nothing_is_lost(
+    database_url: str, db_schema: str, db: psycopg.Connection[Any], runs: sql.Composed, sender: PostgresBroker
+) -> None:
+    """SIGKILL a worker twice while keys are mid-sequence: what it had claimed (its takes made at
+    claim included) comes back after the leases, and no key's next job starts before the killed
+    one ran again; every job finishes, nothing stays parked."""
+    queue = f"ordk_{uuid.uuid4().hex[:10]}"
+    keys, per_key = ("a", "b", "c"), 12
+    ordered = dramatiq.actor(
+        lambda key, n: None, actor_name="ordered", queue_name=queue, broker=sender, order_key=lambda key, n: key
+    )
+    with sender.transaction():
+        for n in range(per_key):
+            for key in keys:
+                ordered.send(key, n)
+    settings = {"WORK_MS": "60", "FLOW_LEASE_MS": "1500"}
+    workers = [_worker(database_url, db_schema, queue, **settings) for _ in range(2)]
+    kills: dict[int, Any] = {}  # pid -> the database clock just after its SIGKILL
+    try:
+        for target in (per_key // 3, 2 * per_key // 3):
+            # At a third and at two thirds of the sequence, kill a worker that has a job mid-run.
+            def running(target: int = target, live: frozenset[int] = frozenset(w.pid for w in workers)) -> int | None:
+                return next(
+                    (r[2] for r in db.execute(runs).fetchall() if r[2] in live and r[5] is None and r[1] >= target),
+                    None,
+                )
+
+            pid = wait_for(running, timeout_ms=60_000, message=f"no job past {target} was seen mid-run")
+            victim = next(w for w in workers if w.pid == pid)
+            kill_app(victim)
+            row = db.execute("SELECT clock_timestamp()").fetchone()
+            assert row is not None
+            kills[victim.pid] = row[0]
+            workers = [*(w for w in workers if w is not victim), _worker(database_url, db_schema, queue, **settings)]
+        wait_for(
+            lambda: all(_ok(db.execute(runs).fetchall(), key) == list(range(per_key)) for key in keys),
+            timeout_ms=90_000,
+            message="the keys did not all finish after the kills",
+        )
+    finally:
+        for process in workers:
+            stop_app(process)
+    rows = db.execute(runs).fetchall()
+    cut = [r for r in rows if r[2] in kills and r[5] is None]
+    assert cut, "no job was running when its worker was killed"
+    for key in keys:
+        mine = [r for r in rows if r[0] == key]
+        seen = [r[1] for r in mine]
+        # In send order: a killed run is run again before the next one, never after it.
+        assert seen == sorted(seen), f"key {key} ran out of order: {seen}"
+        assert _ok(rows, key) == list(range(per_key)), f"key {key}: {seen}"
+        for before, after in itertools.pairwise(mine):
+            ended = before[5] if before[5] is not None else kills[before[2]]
+            assert after[4] >= ended, f"{key}{after[1]} started before {key}{before[1]} ended (or its worker died)"
+    assert not order_waiting(db, schema=db_schema)
+    left = db.execute(
+        sql.SQL("SELECT count(*) FROM {} WHERE queue_name = %s").format(sql.Identifier(db_schema, "queue")), (queue,)
+    ).fetchone()
+    assert left == (0,), "messages were left in the queue table"
