@@ -1,4 +1,6 @@
-"""A worker process for the flow acceptance tests: a PostgresBroker worker with ConcurrencyLimit and OrderedKeys.
+"""A worker process for the flow acceptance tests: a worker with ConcurrencyLimit and OrderedKeys.
+
+A ``PostgresBroker`` worker, or with ``BROKER=outbox`` an ``OutboxBroker`` one with its ``WorkerRelay``.
 
 Every run records its actor, key, number, pid, start and end in ``runs``.  ``limited`` has
 ``concurrency_limit=LIMIT`` per tenant; with ``STALL=1`` its job 0 never ends, so the test can
@@ -18,13 +20,18 @@ from dramatiq.middleware import Callbacks
 from psycopg import sql
 from worker_apps import run_until_stdin_closes
 
-from dramatiq_reliable import DeadLetters, PostgresBroker
+from dramatiq_reliable import DeadLetters, OutboxBroker, PostgresBroker, WorkerRelay
 from dramatiq_reliable.flow import ConcurrencyLimit, OrderedKeys
 
 DATABASE_URL, SCHEMA, QUEUE = os.environ["DATABASE_URL"], os.environ["SCHEMA"], os.environ["QUEUE"]
 LEASE_MS = int(os.environ.get("FLOW_LEASE_MS", "1500"))
 WORK_S = int(os.environ.get("WORK_MS", "20")) / 1000
-broker = PostgresBroker(database=DATABASE_URL, schema=SCHEMA, lease_ms=LEASE_MS)
+broker: PostgresBroker | OutboxBroker
+if os.environ.get("BROKER", "postgres") == "postgres":
+    broker = PostgresBroker(database=DATABASE_URL, schema=SCHEMA, lease_ms=LEASE_MS)
+else:
+    broker = OutboxBroker(url=os.environ["RABBITMQ_URL"], database=DATABASE_URL, schema=SCHEMA)
+    broker.add_middleware(WorkerRelay(poll_interval_ms=50))
 broker.add_middleware(ConcurrencyLimit(lease_ms=LEASE_MS), before=Callbacks)
 broker.add_middleware(OrderedKeys(lease_ms=LEASE_MS), before=Callbacks)
 broker.add_middleware(DeadLetters())
