@@ -202,6 +202,16 @@ class OrderedKeys(KeyedMiddleware[_Head]):
                 )
                 .fetchone()
             )
+        except psycopg.errors.DeadlockDetected as error:
+            # Two senders each hold a key the other waits for: the cause is their send order,
+            # not the connection, so the message says so (still a DatabaseUnavailable: a
+            # worker's retry of the job that sent it succeeds once the other commits).
+            raise DatabaseUnavailable(
+                f"could not record the place of message {message.message_id!r} of actor {message.actor_name!r} in "
+                f"order key {key!r}: this transaction and another each hold a key the other waits for (ordered jobs "
+                "of the same keys sent in opposite orders), and Postgres rolled this transaction back; retry the "
+                "transaction, and send each transaction's ordered jobs sorted by key so it cannot happen again"
+            ) from error
         except (psycopg.Error, PoolTimeout) as error:
             # A MiddlewareError (DatabaseUnavailable is one): Dramatiq swallows any other error of
             # a before-hook, and the message would be sent without its place.

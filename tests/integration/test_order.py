@@ -407,3 +407,36 @@ def test_jobs_show_says_a_parked_job_waits_for_its_turn_and_which_job_holds_its_
     assert "order key 'k': 2 job(s) ahead" in status.detail
     assert f"its head {head.message_id} is running" in status.detail
     middleware.after_process_message(ordered, MessageProxy(head), result=None)
+
+
+@pytest.mark.parametrize("ordered", ["postgres"], indirect=True)
+def test_two_transactions_sending_keys_in_opposite_orders_get_an_error_that_names_the_send_order(
+    ordered: Any, queue: str, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    """Postgres breaks the deadlock by rolling one transaction back; its sender is told why and
+    how to avoid it (not to check its connection), and the other transaction commits both jobs."""
+    task = dramatiq.actor(lambda key: None, actor_name="opposite", queue_name=queue, order_key=lambda key: key)
+    both_hold_one = threading.Barrier(2, timeout=10)
+    errors: dict[str, BaseException] = {}
+
+    def send(first: str, second: str) -> None:
+        try:
+            with ordered.transaction():
+                task.send(first)
+                both_hold_one.wait()
+                task.send(second)
+        except DatabaseUnavailable as error:
+            errors[first] = error
+
+    threads = [threading.Thread(target=send, args=pair) for pair in (("a", "b"), ("b", "a"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    ((loser, error),) = errors.items()  # exactly one of the two was rolled back
+    assert "opposite orders" in str(error) and "sorted by key" in str(error)
+    assert "check the database connection" not in str(error)
+    assert isinstance(error.__cause__, psycopg.errors.DeadlockDetected)
+    # The winner's two places are there; nothing of the loser's transaction is.
+    assert [key for key, _, _ in _rows(db, db_schema)] == ["a", "b"]
+    assert loser in ("a", "b")
