@@ -588,8 +588,35 @@ class RowSending:
         return OutboxWriteError(
             f"could not write message {row['message_id']!r} for queue {row['queue_name']!r} to the {self.table} in "
             f"schema {self.schema!r}: {type(error).__name__}: {redact(first_line(error))}; the message was not "
-            "sent, check the database connection and retry the transaction"
+            f"sent, {self._write_fix(error)}"
         )
+
+    def _write_fix(self, error: BaseException) -> str:
+        """What to do about a failed write, from what Postgres said: most failures are the
+        connection's, but a person on call must not be sent to the network for a read-only
+        transaction, a missing grant or a wait on another transaction."""
+        errors = psycopg.errors
+        if isinstance(error, errors.ReadOnlySqlTransaction):
+            return (
+                "as the transaction is read-only (a standby, or SET TRANSACTION READ ONLY): send from a read-write "
+                "transaction on the primary"
+            )
+        if isinstance(error, errors.InsufficientPrivilege):
+            return (
+                f"as the database role may not write to {self.schema}.{self.table}: grant it USAGE on the schema "
+                "and INSERT on the table (or send as the role that ran 'dramatiq-reliable migrate')"
+            )
+        if isinstance(error, (errors.LockNotAvailable, errors.QueryCanceled)):
+            return (
+                "as the statement was stopped while it ran or waited (lock_timeout, statement_timeout or a cancel; "
+                "with a dedupe_key, another transaction may hold the same key and not have committed yet); retry "
+                "the transaction, and keep transactions that send short"
+            )
+        if isinstance(error, (errors.DeadlockDetected, errors.SerializationFailure)):
+            return (
+                "as Postgres rolled the transaction back to resolve a conflict with another one; retry the transaction"
+            )
+        return "check the database connection and retry the transaction"
 
     def _check_schema(self, conn: psycopg.Connection[Any]) -> None:
         with self._check_lock:

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from dramatiq.common import current_millis
 
-from dramatiq_reliable import NotBound, OutboxBroker, PayloadError, PostgresBroker, bind
+from dramatiq_reliable import NotBound, OutboxBroker, OutboxWriteError, PayloadError, PostgresBroker, bind
 from dramatiq_reliable.binding import register_ambient
 from dramatiq_reliable.sending import MAX_ETA_MS
 
@@ -181,3 +181,35 @@ def test_a_plain_send_inside_an_async_binding_is_refused(
     with pytest.raises(NotBound, match="send_async"):
         asyncio.run(_send_inside_async_binding(database_url, task))
     assert _rows(db, db_schema, row_broker.table) == []
+
+
+def test_a_send_in_a_read_only_transaction_names_that_not_the_connection(
+    row_broker: Any, db: psycopg.Connection[Any], db_schema: str
+) -> None:
+    name = f"sp_{uuid.uuid4().hex[:8]}"
+    task = dramatiq.actor(lambda: None, actor_name=f"{name}_a", queue_name=name, broker=row_broker)
+    with pytest.raises(OutboxWriteError) as raised, row_broker.transaction() as conn:
+        conn.execute("SET TRANSACTION READ ONLY")
+        task.send()
+    text = str(raised.value)
+    assert "read-only" in text and "read-write transaction on the primary" in text
+    assert "check the database connection" not in text
+    assert _rows(db, db_schema, row_broker.table) == []
+
+
+def test_a_send_that_waits_on_a_dedupe_key_past_lock_timeout_says_what_it_waited_for(
+    row_broker: Any, db: psycopg.Connection[Any], db_schema: str, database_url: str
+) -> None:
+    name = f"sp_{uuid.uuid4().hex[:8]}"
+    task = dramatiq.actor(lambda: None, actor_name=f"{name}_a", queue_name=name, broker=row_broker)
+    with psycopg.connect(database_url) as holder:
+        with bind(holder):  # a transaction that holds the key and does not commit yet
+            first = task.send_with_options(dedupe_key="order-7")
+        with pytest.raises(OutboxWriteError) as raised, row_broker.transaction() as conn:
+            conn.execute("SET LOCAL lock_timeout = '100ms'")
+            task.send_with_options(dedupe_key="order-7")
+        holder.commit()
+    text = str(raised.value)
+    assert "lock_timeout" in text and "dedupe_key" in text and "retry the transaction" in text
+    assert "check the database connection" not in text
+    assert [row[0] for row in _rows(db, db_schema, row_broker.table)] == [first.message_id]
