@@ -98,10 +98,7 @@ class Database:
         self._pooled: bool | None = None  # behind a transaction pooler: transaction_pooled()
         # per event loop: its pool, and every connection that pool opened, so close() can end
         # those of a loop already closed (whose pool can no longer run its own close)
-        self._async_pools: dict[
-            asyncio.AbstractEventLoop,
-            tuple[AsyncConnectionPool[Any], weakref.WeakSet[psycopg.AsyncConnection[Any]]],
-        ] = {}
+        self._async_pools: dict[asyncio.AbstractEventLoop, _AsyncPool] = {}
         self.pool: ConnectionPool[Any] = pool or ConnectionPool(
             url or "",
             kwargs=connection_kwargs(url or ""),
@@ -246,9 +243,11 @@ class Database:
         loop = asyncio.get_running_loop()
         with self._lock:
             entry = self._async_pools.get(loop)
-            if entry is None:
-                for stale in [other for other in self._async_pools if other.is_closed()]:
-                    _end_connections(self._async_pools.pop(stale)[1])
+            if entry is None or entry.spent:
+                # Pools of loops gone, and this loop's if its guard closed it (every task of
+                # the loop was cancelled, and the loop went on): a closed pool cannot reopen.
+                for stale in [other for other, old in self._async_pools.items() if other.is_closed() or old.spent]:
+                    _end_connections(self._async_pools.pop(stale).opened)
                 opened: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
 
                 async def track(conn: psycopg.AsyncConnection[Any]) -> None:
@@ -257,7 +256,7 @@ class Database:
                         conn.prepare_threshold = None  # as in _configure
 
                 options = self.pool.kwargs if isinstance(self.pool.kwargs, dict) else {}
-                entry = self._async_pools[loop] = (
+                entry = self._async_pools[loop] = _AsyncPool(
                     AsyncConnectionPool(
                         self.conninfo,
                         kwargs={**connection_kwargs(self.conninfo), **options},
@@ -272,9 +271,10 @@ class Database:
                     ),
                     opened,
                 )
-        pool = entry[0]
+        pool = entry.pool
         if pool.closed:
             await pool.open(wait=False)
+            entry.guard_loop_end()
         return pool
 
     @contextlib.asynccontextmanager
@@ -299,7 +299,8 @@ class Database:
         with self._lock:
             entry = self._async_pools.pop(loop, None)
         if entry is not None:
-            await entry[0].close()
+            await entry.pool.close()
+            entry.stand_down()
         await asyncio.to_thread(self.close)
 
     def _close_async_pools(self) -> None:
@@ -317,7 +318,8 @@ class Database:
             current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             current = None
-        for loop, (pool, opened) in pools:
+        for loop, entry in pools:
+            pool, opened = entry.pool, entry.opened
             if loop.is_closed() or pool.closed:
                 _end_connections(opened)
             elif loop is current:
@@ -337,6 +339,57 @@ def _backend(conn: psycopg.Connection[Any]) -> int:
     row = conn.cursor(row_factory=dict_row).execute(_sql.query("doctor_backend", _sql.DEFAULT_SCHEMA)).fetchone()
     assert row is not None
     return int(row["backend_pid"])
+
+
+#: How long an async pool's own tasks get to stop when its loop ends without ``aclose()``.
+_CLOSE_AT_LOOP_END_S = 5.0
+
+
+class _AsyncPool:
+    """One event loop's async pool, the connections it opened, and its guard against a hung loop end.
+
+    ``asyncio.run()`` ends by cancelling every task left and waiting for them all, the pool's
+    own tasks included.  On Python 3.11, ``asyncio.wait_for`` can swallow a cancellation when
+    what it waits for completes at that moment (CPython gh-86296, fixed in 3.12 only), and
+    psycopg_pool's scheduler waits in ``wait_for`` in a loop: a swallowed cancellation keeps it
+    waiting, and the program's exit with it, for up to ten minutes.  The guard is a task of ours
+    on the same loop; cancelled with the rest, it closes the pool, whose close tells the
+    scheduler to stop whatever cancellation it missed.  ``aclose()`` stands it down first.
+    """
+
+    def __init__(self, pool: AsyncConnectionPool[Any], opened: weakref.WeakSet[psycopg.AsyncConnection[Any]]) -> None:
+        self.pool = pool
+        self.opened = opened
+        self._guard: asyncio.Task[None] | None = None
+
+    @property
+    def spent(self) -> bool:
+        """Opened once and closed since: it cannot serve again."""
+        return self._guard is not None and self.pool.closed
+
+    def guard_loop_end(self) -> None:
+        """Start the guard on the running loop (the pool's), once the pool is open."""
+        if self._guard is None:
+            self._guard = asyncio.get_running_loop().create_task(
+                self._close_at_loop_end(), name="dramatiq-reliable-async-pool-guard"
+            )
+
+    def stand_down(self) -> None:
+        """The pool was closed on purpose (``aclose()``): the guard ends without doing anything."""
+        if self._guard is not None:
+            self._guard.cancel()
+
+    async def _close_at_loop_end(self) -> None:
+        try:
+            await asyncio.get_running_loop().create_future()  # done only by a cancel
+        except asyncio.CancelledError:
+            if self.pool.closed:
+                return
+            # The close schedules the scheduler's stop before it waits for the workers (which
+            # the loop's end has cancelled already: the wait may raise), then the sockets go.
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await self.pool.close(timeout=_CLOSE_AT_LOOP_END_S)
+            _end_connections(self.opened)
 
 
 def _end_connections(opened: weakref.WeakSet[psycopg.AsyncConnection[Any]]) -> None:

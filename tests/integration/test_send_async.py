@@ -9,6 +9,7 @@ whose job connection, writes and sends are one transaction with their Idempotenc
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +19,7 @@ import psycopg
 import pytest
 from dramatiq.middleware import AsyncIO, Middleware
 from psycopg import sql
+from psycopg_pool.sched_async import AsyncScheduler
 
 from dramatiq_reliable import (
     ClassifiedRetries,
@@ -280,6 +282,38 @@ def test_fifty_concurrent_tasks_sending_one_key_write_one_row(row_broker: Any, d
     written = _ids(db, row_broker)
     assert len(written) == 1, "one row for fifty sends of one key"
     assert set(returned) == set(written)
+
+
+def test_a_loop_that_ends_without_aclose_is_not_held_by_a_pool_task_that_missed_its_cancellation(
+    row_broker: Any, db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python 3.11's ``asyncio.wait_for`` can swallow a cancellation (CPython gh-86296), and
+    psycopg_pool's scheduler waits in it: asyncio.run()'s end then waited for that task for up to
+    ten minutes (a CI run hung here once).  The scheduler below misses every cancellation, as the
+    race leaves it; the loop must still end, because the pool is closed at the loop's end."""
+    run = AsyncScheduler.run
+
+    async def deaf(self: AsyncScheduler) -> None:
+        while True:
+            try:
+                return await run(self)
+            except asyncio.CancelledError:
+                continue  # a cancellation swallowed: only the pool's close stops it
+
+    monkeypatch.setattr(AsyncScheduler, "run", deaf)
+    task = _actor(row_broker)
+
+    async def main() -> str:
+        return (await send_async(task, 1)).message_id
+
+    sent: list[str] = []
+    ended = threading.Thread(target=lambda: sent.append(asyncio.run(main())), daemon=True)
+    ended.start()
+    ended.join(timeout=30)
+    assert not ended.is_alive(), "asyncio.run() did not end: a pool task that missed its cancellation held it"
+    assert _ids(db, row_broker) == sent
+    (entry,) = row_broker.database._async_pools.values()
+    assert entry.pool.closed, "the pool was closed when its loop ended"
 
 
 # -- middleware ----------------------------------------------------------------------------------
