@@ -316,6 +316,31 @@ def test_a_loop_that_ends_without_aclose_is_not_held_by_a_pool_task_that_missed_
     assert entry.pool.closed, "the pool was closed when its loop ended"
 
 
+def test_a_loop_whose_tasks_were_all_cancelled_gets_a_new_pool_on_its_next_send(
+    row_broker: Any, db: psycopg.Connection[Any]
+) -> None:
+    """Cancelling every other task closes the pool (its guard cannot tell that from the loop's
+    end); the loop goes on, and the next send opens a new pool instead of failing on the closed one."""
+    task = _actor(row_broker)
+
+    async def main() -> tuple[list[str], bool]:
+        first = await send_async(task, 1)
+        before = await row_broker.database.async_pool()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for other in others:
+            other.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        assert before.closed, "the guard closed the pool when it was cancelled"
+        second = await send_async(task, 2)
+        after = await row_broker.database.async_pool()
+        await row_broker.database.aclose()
+        return [first.message_id, second.message_id], after is not before
+
+    sent, renewed = asyncio.run(main())
+    assert renewed
+    assert sorted(_ids(db, row_broker)) == sorted(sent)
+
+
 # -- middleware ----------------------------------------------------------------------------------
 
 
