@@ -31,7 +31,6 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from psycopg import sql
 from support import TEST_QUEUE, Otel, QueueJanitor, Rabbit, new_queue_name, status_server
 
 from dramatiq_reliable import OutboxBroker, PostgresBroker, WorkerRelay, events, schema
@@ -280,47 +279,11 @@ def listen_url(direct_database_url: str) -> str | None:
     return direct_database_url if THROUGH_PGBOUNCER else None
 
 
-#: The catalogs that creating and dropping a test's schema (tables, indexes, functions,
-#: triggers, sequences) leaves dead rows in.
-_CHURNED_CATALOGS = (
-    "pg_attribute",
-    "pg_depend",
-    "pg_class",
-    "pg_constraint",
-    "pg_proc",
-    "pg_index",
-    "pg_type",
-    "pg_trigger",
-    "pg_attrdef",
-    "pg_namespace",
-    "pg_sequence",
-    "pg_description",
-    "pg_rewrite",
-    "pg_statistic",
-)
-
-
-def _vacuum_catalogs(url: str) -> None:
-    """Vacuum the catalogs the tests' schemas churn, on a server whose autovacuum is off.
-
-    Each test migrates a schema of its own and drops it: hundreds of catalog rows each, dead
-    once dropped.  With autovacuum off (the CI machine's Postgres, which is not ours to
-    reconfigure) nothing reclaims them: after a day of runs ``pg_attribute`` held 2.2 million
-    dead rows (462 MB), and a suite on that server ran 90 s slower than one an hour earlier.
-    A VACUUM of those catalogs took 5 s then and changes nothing a test can see.
-    """
-    with contextlib.suppress(psycopg.Error), psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
-        if conn.execute("SHOW autovacuum").fetchone() == ("off",):
-            names = sql.SQL(", ").join(sql.Identifier("pg_catalog", name) for name in _CHURNED_CATALOGS)
-            conn.execute(sql.SQL("VACUUM {}").format(names))
-
-
 @pytest.fixture(scope="session")
 def database_url(request: pytest.FixtureRequest) -> str:
     service = SERVICES["database_url"]
     if not service.check():
         _unavailable(service)
-    _vacuum_catalogs(service.url)
     if getattr(request, "param", "pgbouncer" if THROUGH_PGBOUNCER else "direct") == "pgbouncer":
         return str(request.getfixturevalue("pgbouncer_url"))
     return service.url
