@@ -24,7 +24,7 @@ node's URL.  Other defaults there, and knobs of their own:
 variable                 meaning                                                      cluster
 =======================  ===========================================================  =========
 ``CHAOS_COUNT``          as above                                                      300
-``CHAOS_SECONDS``        as above                                                      ``max(40, count / 8)``
+``CHAOS_SECONDS``        as above                                                      ``max(30, count / 10)``
 ``CHAOS_KILLS``          as above                                                      ``max(1, seconds / 40)``
 ``CHAOS_CUTS``           cuts of Postgres only (RabbitMQ's outages are the nodes')     0
 ``CHAOS_QUEUE_TYPE``     ``quorum`` or ``classic`` (today's default, to compare)       quorum
@@ -106,7 +106,7 @@ class Settings:
         env = os.environ if environ is None else environ
         seed = int(env["CHAOS_SEED"]) if env.get("CHAOS_SEED") else secrets.randbelow(2**31)
         count = int(env.get("CHAOS_COUNT") or (300 if cluster else 600))
-        seconds = float(env.get("CHAOS_SECONDS") or (max(40.0, count / 8) if cluster else max(20.0, count / 40)))
+        seconds = float(env.get("CHAOS_SECONDS") or (max(30.0, count / 10) if cluster else max(20.0, count / 40)))
         kills = env.get("CHAOS_KILLS") or (max(1, int(seconds / 40)) if cluster else max(3, int(seconds / 10)))
         cuts = env.get("CHAOS_CUTS") or (0 if cluster else max(2, int(seconds / 15)))
         queue_type = env.get("CHAOS_QUEUE_TYPE") or ("quorum" if cluster else "classic")
