@@ -53,7 +53,7 @@ test-alt: install
 	rabbitmqctl -q list_vhosts | grep -qx dr_alt || rabbitmqctl -q add_vhost dr_alt
 	rabbitmqctl -q set_permissions -p dr_alt guest '.*' '.*' '.*'
 	THROUGH_PGBOUNCER=1 DATABASE_URL="$(ALT_DATABASE_URL)" RABBITMQ_URL="$(ALT_RABBITMQ_URL)" \
-	  $(BIN)/pytest -q -n 2 -m "not partition and not cluster" \
+	  $(BIN)/pytest -q -n 3 -m "not partition and not cluster" \
 	  --durations=10 tests/integration
 
 # The integration tests through a real PgBouncer in transaction mode (docs/testing.md): the
