@@ -407,7 +407,9 @@ class OrderedKeys(KeyedMiddleware[_Head]):
         database, schema, _ = self.database_for(broker)
         try:
             with database.connection() as conn, autocommit(conn):
-                conn.execute(_sql.rendered("order_dead", schema), {"message_id": message.message_id})
+                conn.execute(
+                    _sql.rendered("order_dead", schema), {"message_id": message.message_id, "owner": self.owner}
+                )
         except Exception:
             logger.warning("could not mark message %s dead in its key's order", message.message_id, exc_info=True)
 
