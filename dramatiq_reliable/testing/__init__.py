@@ -40,8 +40,18 @@ __all__ = [
 T = TypeVar("T")
 
 
-def wait_for(condition: Callable[[], T], *, timeout_ms: int = 10_000, interval_ms: int = 20, message: str = "") -> T:
-    """Poll ``condition`` until it returns something truthy and return that; fail after ``timeout_ms``."""
+def wait_for(
+    condition: Callable[[], T],
+    *,
+    timeout_ms: int = 10_000,
+    interval_ms: int = 20,
+    message: str | Callable[[], str] = "",
+) -> T:
+    """Poll ``condition`` until it returns something truthy and return that; fail after ``timeout_ms``.
+
+    ``message`` is added to the failure; pass a callable to describe the state *at the failure*
+    (an f-string is evaluated before the wait starts, so it shows the state before the wait).
+    """
     check_ms("timeout_ms", timeout_ms)
     check_ms("interval_ms", interval_ms, minimum=1)
     deadline = time.monotonic() + timeout_ms / 1000
@@ -50,8 +60,18 @@ def wait_for(condition: Callable[[], T], *, timeout_ms: int = 10_000, interval_m
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"condition not met within {timeout_ms} ms" + (f": {message}" if message else ""))
+            said = _describe(message)
+            raise AssertionError(f"condition not met within {timeout_ms} ms" + (f": {said}" if said else ""))
         time.sleep(interval_ms / 1000)
+
+
+def _describe(message: str | Callable[[], str]) -> str:
+    if not callable(message):
+        return message
+    try:
+        return message()
+    except Exception as error:  # the wait failed: say so even if describing it fails too
+        return f"(describing the failure raised {type(error).__name__}: {error})"
 
 
 def drain_outbox(

@@ -152,8 +152,9 @@ def _run(
             reached,
             timeout_ms=120_000,
             interval_ms=50,
-            message=f"run {run}: {finished()} of {CHILDREN} children finished, waiting for {share:.0%}\n"
-            f"{workers.tails()}",
+            message=lambda share=share: (
+                f"run {run}: {finished()} of {CHILDREN} children finished, waiting for {share:.0%}\n{workers.tails()}"
+            ),
         )
         pending = batch_status(db, schema, batch.id).fired_at is None
         if event.startswith("kill"):
@@ -169,7 +170,12 @@ def _run(
         workers.keep_up()
         return bool(_one(db, "SELECT count(*) FROM {schema}.reports WHERE run = %s", schema, run))
 
-    wait_for(fired, timeout_ms=180_000, interval_ms=50, message=f"run {run}: the callback never ran\n{workers.tails()}")
+    wait_for(
+        fired,
+        timeout_ms=180_000,
+        interval_ms=50,
+        message=lambda: f"run {run}: the callback never ran\n{workers.tails()}",
+    )
     elapsed = time.monotonic() - started
     # Stop gracefully: whatever is in flight finishes, so a late second callback would be counted.
     workers.stop()

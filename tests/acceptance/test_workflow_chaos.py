@@ -219,8 +219,10 @@ def _run(
             reached,
             timeout_ms=120_000,
             interval_ms=20,
-            message=f"run {run}: waiting for {when!r} ({_count(db, schema, run, 'child')} of {CHILDREN} children "
-            f"done)\n{workers.tails()}",
+            message=lambda when=when: (
+                f"run {run}: waiting for {when!r} ({_count(db, schema, run, 'child')} of {CHILDREN} children "
+                f"done)\n{workers.tails()}"
+            ),
         )
         pending = _count(db, schema, run, aim) == 0
         timeline.append(round(time.monotonic() - started, 1))
@@ -242,7 +244,9 @@ def _run(
         workers.keep_up()
         return workflow_status(db, schema, workflow.id).state != "running"
 
-    wait_for(finished, timeout_ms=180_000, interval_ms=50, message=f"run {run}: never finished\n{workers.tails()}")
+    wait_for(
+        finished, timeout_ms=180_000, interval_ms=50, message=lambda: f"run {run}: never finished\n{workers.tails()}"
+    )
     elapsed = time.monotonic() - started
     # Stop gracefully: whatever is in flight finishes, so a late second run of a step would be counted.
     workers.stop()
@@ -325,7 +329,7 @@ def test_a_chain_whose_middle_step_died_resumes_once_when_the_cli_replays_its_de
         wait_for(
             lambda: workflow_status(db, db_schema, workflow.id).waiting_for_replay,
             timeout_ms=60_000,
-            message=f"the middle step never died\n{workers.tails()}",
+            message=lambda: f"the middle step never died\n{workers.tails()}",
         )
         dead = _rows(db, "SELECT id, actor_name FROM {schema}.dead_letters WHERE state = 'dead'", db_schema)
         assert [actor for _, actor in dead] == ["fragile"], dead
@@ -357,7 +361,7 @@ def test_a_chain_whose_middle_step_died_resumes_once_when_the_cli_replays_its_de
         wait_for(
             lambda: workflow_status(db, db_schema, workflow.id).state != "running",
             timeout_ms=60_000,
-            message=f"the replayed step did not resume the workflow\n{workers.tails()}",
+            message=lambda: f"the replayed step did not resume the workflow\n{workers.tails()}",
         )
         # Stop gracefully: a second run of a step still in flight would be counted below.
         workers.stop()

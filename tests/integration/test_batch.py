@@ -73,7 +73,9 @@ def test_the_callback_runs_once_after_every_child_and_progress_is_readable_by_id
         for n in range(20):
             batch.add(invoice.message(n))
     backed_worker.start()
-    wait_for(lambda: reports, timeout_ms=30_000, message=f"the callback never ran; children done: {sorted(done)}")
+    wait_for(
+        lambda: reports, timeout_ms=30_000, message=lambda: f"the callback never ran; children done: {sorted(done)}"
+    )
     assert reports == [list(range(20))], "the callback ran before every child finished, or twice"
     status = batch_status(batched.database, db_schema, batch.id)
     assert (status.total, status.done, status.dead, status.pending, status.state) == (20, 20, 0, 0, "succeeded")
@@ -107,7 +109,7 @@ def test_a_dead_child_fails_the_batch_or_counts_as_finished_per_policy(
                 for n in range(3):
                     batch.add(child.message(n))
     backed_worker.start()
-    wait_for(lambda: len(ran) == 2, timeout_ms=30_000, message=f"the batches did not both finish: {ran}")
+    wait_for(lambda: len(ran) == 2, timeout_ms=30_000, message=lambda: f"the batches did not both finish: {ran}")
     assert sorted(ran) == ["continue:callback", "fail:on_failure"]
     failed = batch_status(batched.database, db_schema, failing.id)
     assert (failed.done, failed.dead, failed.state) == (2, 1, "failed")
@@ -207,7 +209,7 @@ def test_eight_threads_finishing_children_at_once_fire_exactly_one_callback(
     worker = dramatiq.Worker(pg_batched, worker_timeout=20, worker_threads=8)
     worker.start()
     try:
-        wait_for(lambda: len(fired) == 4, timeout_ms=60_000, message=f"not every batch fired: {fired}")
+        wait_for(lambda: len(fired) == 4, timeout_ms=60_000, message=lambda: f"not every batch fired: {fired}")
         for batch in batches:
             wait_for(lambda b=batch: batch_status(pg_batched.database, db_schema, b.id).pending == 0)  # type: ignore[misc]
     finally:

@@ -234,7 +234,7 @@ def test_a_long_running_relay_logs_progress_between_started_and_stopped(
         wait_for(
             lambda: any("relay published 1 row in the last 1.0s; 0 rows waiting, 0 failing" in line for line in lines),
             timeout_ms=20_000,
-            message=f"no progress line in {lines!r}",
+            message=lambda: f"no progress line in {lines!r}",
         )
         relay.send_signal(signal.SIGTERM)
         assert relay.wait(timeout=20) == 0

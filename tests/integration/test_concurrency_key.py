@@ -70,7 +70,7 @@ def test_no_more_than_the_limit_of_a_key_run_at_once_and_every_parked_job_runs(
         (waiting,) = concurrency_waiting(db, schema=db_schema)
         assert (waiting["key"], waiting["parked"], waiting["running"]) == ("big", 4, 2)
         gate.set()
-        wait_for(lambda: len(done) == 7, timeout_ms=20_000, message=f"not every job ran: {done}")
+        wait_for(lambda: len(done) == 7, timeout_ms=20_000, message=lambda: f"not every job ran: {done}")
     finally:
         worker.stop()
     assert peak == {"big": 2, "small": 1}

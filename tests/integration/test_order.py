@@ -95,7 +95,7 @@ def test_jobs_of_a_key_run_one_at_a_time_in_send_order_and_other_keys_run_alongs
             for account in ("a", "b", "c"):
                 sync.send(account, n)
     worker.start()
-    wait_for(lambda: len(runs) == 24, timeout_ms=30_000, message=f"not every job ran: {runs}")
+    wait_for(lambda: len(runs) == 24, timeout_ms=30_000, message=lambda: f"not every job ran: {runs}")
     assert not overlap, f"two jobs of one key ran at once: {overlap}"
     for account in ("a", "b", "c"):
         assert [n for a, n, _ in runs if a == account] == list(range(8))
@@ -128,15 +128,17 @@ def test_a_retrying_head_keeps_its_place_and_a_dead_one_parks_its_key_until_repl
             step.send("a", n)
         step.send("b", 0)
     worker.start()
-    wait_for(lambda: ("b", 0) in runs and runs.count(("a", 2)) == 2, timeout_ms=30_000, message=f"runs: {runs}")
-    wait_for(lambda: _rows(db, db_schema)[:1] == [("a", 3, "dead")], message=f"a2 not dead: {_rows(db, db_schema)}")
+    wait_for(lambda: ("b", 0) in runs and runs.count(("a", 2)) == 2, timeout_ms=30_000, message=lambda: f"runs: {runs}")
+    wait_for(
+        lambda: _rows(db, db_schema)[:1] == [("a", 3, "dead")], message=lambda: f"a2 not dead: {_rows(db, db_schema)}"
+    )
     assert [r for r in runs if r[0] == "a"] == [("a", 0), ("a", 1), ("a", 1), ("a", 2), ("a", 2)]
     assert [(row["key"], row["head_state"], row["waiting"]) for row in order_waiting(db, schema=db_schema)] == [
         ("a", "dead", 2)
     ]
     failures[("a", 2)] = 0
     PostgresDeadLetterStore.from_broker(ordered).replay(where=DeadLetterFilter(), force=True)
-    wait_for(lambda: ("a", 3) in runs, timeout_ms=15_000, message=f"the replay did not release the key: {runs}")
+    wait_for(lambda: ("a", 3) in runs, timeout_ms=15_000, message=lambda: f"the replay did not release the key: {runs}")
     assert [r for r in runs if r[0] == "a"][-3:] == [("a", 2), ("a", 2), ("a", 3)]
     wait_for(lambda: not _rows(db, db_schema), message="places left behind")
 
@@ -155,10 +157,13 @@ def test_a_discarded_dead_head_releases_its_key_and_a_send_outside_a_transaction
     for n in range(3):
         step.send(n)  # nothing bound: each send commits its place and its message together
     worker.start()
-    wait_for(lambda: _rows(db, db_schema) == [("k", 2, "dead"), ("k", 3, "parked")], message="step 1 not dead")
+    wait_for(
+        lambda: _rows(db, db_schema) == [("k", 2, "dead"), ("k", 3, "parked")],
+        message=lambda: f"step 1 not dead: {_rows(db, db_schema)}",
+    )
     assert runs == [0, 1]
     PostgresDeadLetterStore.from_broker(ordered).discard(where=DeadLetterFilter(), note="not needed")
-    wait_for(lambda: runs == [0, 1, 2], message=f"the discard did not release the key: {runs}")
+    wait_for(lambda: runs == [0, 1, 2], message=lambda: f"the discard did not release the key: {runs}")
     wait_for(lambda: not _rows(db, db_schema), message="places left behind")
 
 
@@ -203,9 +208,12 @@ def test_a_head_whose_nack_is_written_before_its_release_still_parks_its_key(
         step.send(0)
         step.send(1)
     worker.start()
-    wait_for(lambda: _rows(db, db_schema) == [("k", 1, "dead"), ("k", 2, "parked")], message="step 0 not dead")
+    wait_for(
+        lambda: _rows(db, db_schema) == [("k", 1, "dead"), ("k", 2, "parked")],
+        message=lambda: f"step 0 not dead: {_rows(db, db_schema)}",
+    )
     PostgresDeadLetterStore.from_broker(ordered).discard(where=DeadLetterFilter(), note="not needed")
-    wait_for(lambda: runs == [0, 1], message=f"the discard did not release the key: {runs}")
+    wait_for(lambda: runs == [0, 1], message=lambda: f"the discard did not release the key: {runs}")
     wait_for(lambda: not _rows(db, db_schema), message="places left behind")
 
 
@@ -349,7 +357,7 @@ def test_a_cancelled_job_gives_up_its_place_so_its_successors_run(
             step.send(n)
     cancel_job(ordered.database, db_schema, first.message_id, by="test")
     worker.start()
-    wait_for(lambda: runs == [1, 2], message=f"the cancelled head held its key: {runs}")
+    wait_for(lambda: runs == [1, 2], message=lambda: f"the cancelled head held its key: {runs}")
     wait_for(lambda: not _rows(db, db_schema), message="places left behind")
 
 

@@ -196,7 +196,7 @@ def test_a_dead_step_fails_the_workflow_or_is_skipped_per_policy(
         failing.run()
         skipping.run()
     backed_worker.start()
-    wait_for(lambda: len(ran) == 2, timeout_ms=30_000, message=f"both workflows did not finish: {ran}")
+    wait_for(lambda: len(ran) == 2, timeout_ms=30_000, message=lambda: f"both workflows did not finish: {ran}")
     assert sorted(ran, key=str) == [("fail:on_failure", None), ("skip:next", [0, None, 2])]
     wait_for(lambda: _state(flowing, db_schema, skipping.id) == "succeeded", timeout_ms=10_000)
     failed = workflow_status(flowing.database, db_schema, failing.id)

@@ -239,3 +239,20 @@ def test_wait_for_refuses_an_interval_that_would_spin():
         wait_for(lambda: True, interval_ms=0)
     with pytest.raises(ConfigurationError, match="timeout_ms must be an int >= 0"):
         wait_for(lambda: True, timeout_ms=-1)
+
+
+def test_wait_for_describes_the_state_at_the_failure_when_given_a_callable():
+    from dramatiq_reliable.testing import wait_for
+
+    seen: list[int] = []
+
+    def poll() -> bool:
+        seen.append(len(seen))
+        return False
+
+    with pytest.raises(AssertionError, match=r"within 0 ms: polled 1 time\(s\)$"):
+        wait_for(poll, timeout_ms=0, message=lambda: f"polled {len(seen)} time(s)")
+    with pytest.raises(AssertionError, match=r"within 0 ms: \(describing the failure raised KeyError: 'x'\)"):
+        wait_for(poll, timeout_ms=0, message=lambda: {}["x"])
+    with pytest.raises(AssertionError, match=r"within 0 ms: as given$"):
+        wait_for(poll, timeout_ms=0, message="as given")
