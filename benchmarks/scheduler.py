@@ -22,6 +22,11 @@
    transaction's start, which claims and publishes the batch: a consumer-visible lag, short by
    that batch's publish and confirm).  This is the figure a consumer sees.  ``--relays N`` runs N
    relay processes (SKIP LOCKED shares the rows).
+   With ``--target queue`` the loops write into a ``PostgresBroker`` queue table instead (no
+   relay): ``lag_*`` are taken to when the row is visible to consumers (the later of
+   ``enqueued_at``, the firing transaction's start, and F), and ``--consumers N`` runs N processes
+   each holding one ``PostgresBroker`` consumer that claims (and holds, unacked) every tick:
+   ``lag_claim_p99_ms`` is F to the claiming transaction's start, the consumer-visible lag.
 2. One actor doing one INSERT, run ``--messages`` times by a one-thread worker on a StubBroker,
    with ``singleton=True`` under the ``Singleton`` middleware and, in the same run, as a plain
    actor, interleaved over ``--rounds`` rounds (plain, singleton, plain, ...: both see the same
@@ -58,7 +63,7 @@ from dramatiq.middleware import Callbacks
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from dramatiq_reliable import Database, Idempotency, Relay, Singleton, _sql, job_connection, migrate
+from dramatiq_reliable import Database, Idempotency, PostgresBroker, Relay, Singleton, _sql, job_connection, migrate
 from dramatiq_reliable.scheduler import Registry, Schedule, Scheduler
 
 # Long enough that the tick after F is not due before every loop is done, short enough to wait for.
@@ -88,10 +93,19 @@ def _percentile(values: list[float], fraction: float) -> float:
 # -- part 1: scheduler loops --------------------------------------------------------------------
 
 
-def _loop(schema: str, start_at: float, done: Any, lead_ms: int) -> None:
+# A consumer's lease in the queue-target runs: the claim moves a row's available_at to the lease's
+# end, so the claim's time is available_at less this (long enough that no heartbeat renews it).
+_CLAIM_LEASE_MS = 3_600_000
+
+
+def _loop(schema: str, start_at: float, done: Any, lead_ms: int, target: str) -> None:
     """One scheduler process: warm up, wait for F (less the lead), then fire until nothing is left to claim."""
     scheduler = Scheduler(
-        database=Database(url=DATABASE_URL, max_size=2), schema=schema, registry=Registry(), lead_ms=lead_ms
+        database=Database(url=DATABASE_URL, max_size=2),
+        schema=schema,
+        registry=Registry(),
+        lead_ms=lead_ms,
+        target=target,  # type: ignore[arg-type]
     )
     scheduler.tick_once()  # opens the pool and checks the schema; nothing is due yet
     time.sleep(max(0.0, start_at - time.time()))
@@ -103,6 +117,17 @@ def _loop(schema: str, start_at: float, done: Any, lead_ms: int) -> None:
         empty = empty + 1 if result.claimed == 0 else 0
     done.put((time.time(), visible))
     scheduler.close()
+
+
+def _consumer(schema: str, queue: str, stop: Any, prefetch: int) -> None:
+    """A PostgresBroker consumer process claiming the run's ticks, and holding them, until ``stop`` is set."""
+    broker = PostgresBroker(database=DATABASE_URL, schema=schema, lease_ms=_CLAIM_LEASE_MS)
+    broker.declare_queue(queue)
+    consumer = broker.consume(queue, prefetch=prefetch, timeout=100)
+    while not stop.is_set():
+        next(consumer)
+    consumer.close()
+    broker.close()
 
 
 def _relay(schema: str, stop: Any) -> None:
@@ -122,9 +147,12 @@ def _delete_queue(queue: str) -> None:
         connection.close()
 
 
-def bench_loops(schedules: int, loops: int, lead_ms: int, relays: int = 0) -> dict[str, float]:
+def bench_loops(
+    schedules: int, loops: int, lead_ms: int, relays: int = 0, target: str = "outbox", consumers: int = 0
+) -> dict[str, float]:
     schema = _schema()
     queue = f"{schema}_q"
+    table = "outbox" if target == "outbox" else "queue"
     try:
         migrate(DATABASE_URL, schema=schema)
         registry = Registry()
@@ -151,17 +179,39 @@ def bench_loops(schedules: int, loops: int, lead_ms: int, relays: int = 0) -> di
         context = multiprocessing.get_context("spawn")
         done = context.Queue()
         processes = [
-            context.Process(target=_loop, args=(schema, fire_at - lead_s, done, lead_ms)) for _ in range(loops)
+            context.Process(target=_loop, args=(schema, fire_at - lead_s, done, lead_ms, target)) for _ in range(loops)
         ]
         stop_relay = context.Event()
         relayers = [context.Process(target=_relay, args=(schema, stop_relay)) for _ in range(relays)]
+        relayers += [
+            context.Process(target=_consumer, args=(schema, queue, stop_relay, schedules)) for _ in range(consumers)
+        ]
         for process in [*processes, *relayers]:
             process.start()
         reports = [done.get(timeout=600) for _ in processes]
         for process in processes:
             process.join()
         publish_lags: list[float] = []
-        if relayers:
+        claim_lags: list[float] = []
+        if consumers:
+            with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+                count = sql.SQL("SELECT count(*) FROM {} WHERE lease IS NULL").format(sql.Identifier(schema, "queue"))
+                deadline = time.monotonic() + 300
+                while conn.execute(count).fetchone()[0] and time.monotonic() < deadline:  # type: ignore[index]
+                    time.sleep(0.1)
+                claim_lags = [
+                    float(r[0]) * 1000
+                    for r in conn.execute(
+                        sql.SQL(
+                            "SELECT extract(epoch FROM available_at - %s * interval '1 millisecond') - %s FROM {}"
+                        ).format(sql.Identifier(schema, "queue")),
+                        (_CLAIM_LEASE_MS, fire_at),
+                    ).fetchall()
+                ]
+            stop_relay.set()
+            for relayer in relayers:
+                relayer.join(timeout=30)
+        elif relayers:
             with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
                 count = sql.SQL("SELECT count(*) FROM {} WHERE published_at IS NULL").format(
                     sql.Identifier(schema, "outbox")
@@ -186,21 +236,27 @@ def bench_loops(schedules: int, loops: int, lead_ms: int, relays: int = 0) -> di
         commit_lags = [
             (max(at, fire_at) - fire_at) * 1000 for _, passes in reports for at, fired in passes for _ in range(fired)
         ]
+        # Visible at the later of the firing transaction's start and F: a queue row written ahead
+        # is due at F, and one written once due at its enqueued_at (its available_at moves when
+        # a consumer claims it, so it is not read here).
+        visible = (
+            "greatest(created_at, available_at)" if table == "outbox" else "greatest(enqueued_at, to_timestamp(%s))"
+        )
         with psycopg.connect(DATABASE_URL) as conn:
             lags = [
                 float(r[0]) * 1000
                 for r in conn.execute(
-                    sql.SQL("SELECT extract(epoch FROM greatest(created_at, available_at)) - %s FROM {}").format(
-                        sql.Identifier(schema, "outbox")
+                    sql.SQL("SELECT extract(epoch FROM {}) - %s FROM {}").format(
+                        sql.SQL(visible), sql.Identifier(schema, table)
                     ),
-                    (fire_at,),
+                    (fire_at, fire_at) if table == "queue" else (fire_at,),
                 ).fetchall()
             ]
             distinct = conn.execute(
-                sql.SQL("SELECT count(DISTINCT message_id) FROM {}").format(sql.Identifier(schema, "outbox"))
+                sql.SQL("SELECT count(DISTINCT message_id) FROM {}").format(sql.Identifier(schema, table))
             ).fetchone()
         if len(lags) != schedules or distinct is None or distinct[0] != schedules:
-            raise SystemExit(f"{loops} loop(s) wrote {len(lags)} outbox rows for {schedules} ticks: not exactly once")
+            raise SystemExit(f"{loops} loop(s) wrote {len(lags)} {table} rows for {schedules} ticks: not exactly once")
         elapsed = max(finished) - (fire_at - lead_s)
         return {
             "ticks_per_s": round(schedules / elapsed, 1),
@@ -216,6 +272,14 @@ def bench_loops(schedules: int, loops: int, lead_ms: int, relays: int = 0) -> di
                     "lag_publish_p99_ms": round(_percentile(publish_lags, 0.99), 1),
                 }
                 if publish_lags
+                else {}
+            ),
+            **(
+                {
+                    "lag_claim_p50_ms": round(statistics.median(claim_lags), 1),
+                    "lag_claim_p99_ms": round(_percentile(claim_lags, 0.99), 1),
+                }
+                if claim_lags
                 else {}
             ),
         }
@@ -332,6 +396,12 @@ def main() -> None:
     parser.add_argument("--relay", action="store_true", help="also measure the lag to the relay's publish")
     parser.add_argument("--relays", type=int, default=1, help="relay processes with --relay")
     parser.add_argument("--skip-singleton", action="store_true", help="only the scheduler part")
+    parser.add_argument(
+        "--target", choices=("outbox", "queue"), default="outbox", help="where ticks go: outbox or PostgresBroker queue"
+    )
+    parser.add_argument(
+        "--consumers", type=int, default=0, help="PostgresBroker consumer processes with --target queue"
+    )
     args = parser.parse_args()
     if args.singleton_only:
         single = bench_singleton(args.messages, args.rounds)
@@ -343,7 +413,16 @@ def main() -> None:
     for _ in range(args.loop_rounds):
         for loops in (1, 3):
             for lead in leads:  # baseline, lead, baseline, lead, ...: both see the same load
-                runs[loops, lead].append(bench_loops(args.schedules, loops, lead, args.relays if args.relay else 0))
+                runs[loops, lead].append(
+                    bench_loops(
+                        args.schedules,
+                        loops,
+                        lead,
+                        args.relays if args.relay and args.target == "outbox" else 0,
+                        args.target,
+                        args.consumers if args.target == "queue" else 0,
+                    )
+                )
                 log(
                     f"{loops} scheduler loop(s), lead_ms={lead}: {runs[loops, lead][-1]} (load {os.getloadavg()[0]:.1f})"
                 )
@@ -360,6 +439,7 @@ def main() -> None:
     result = {
         "schedules": args.schedules,
         "lead_ms": args.lead_ms,
+        "target": args.target,
         "ticks_per_s_1": median(1, "ticks_per_s"),
         "ticks_per_s_3": median(3, "ticks_per_s"),
         "ticks_ratio_3_to_1": round(median(3, "ticks_per_s") / median(1, "ticks_per_s"), 3),
@@ -386,7 +466,18 @@ def main() -> None:
                 "lag_publish_p99_ms_1_lead0": median(1, "lag_publish_p99_ms", 0),
                 "lag_publish_p99_ms_lead0": median(3, "lag_publish_p99_ms", 0),
             }
-            if args.relay
+            if args.relay and args.target == "outbox"
+            else {}
+        ),
+        **(
+            {
+                "lag_claim_p99_ms_1": median(1, "lag_claim_p99_ms"),
+                "lag_claim_p99_ms": median(3, "lag_claim_p99_ms"),
+                "lag_claim_p99_ms_spread": spread(3, "lag_claim_p99_ms"),
+                "lag_claim_p99_ms_1_lead0": median(1, "lag_claim_p99_ms", 0),
+                "lag_claim_p99_ms_lead0": median(3, "lag_claim_p99_ms", 0),
+            }
+            if args.consumers and args.target == "queue"
             else {}
         ),
         "load_1m": round(os.getloadavg()[0], 1),

@@ -87,7 +87,7 @@ def register(
         default="0s",
         metavar="DURATION",
         help="write the ticks of overlap='allow' schedules this long before their fire time, due then "
-        "(outbox only; see docs/scheduling.md)",
+        "(see docs/scheduling.md)",
     )
     parser.add_argument("--once", action="store_true", help="sync, run one pass, print what it did and exit")
     # A long-running process's log is its output: INFO unless asked otherwise.

@@ -200,8 +200,6 @@ def trigger_schedule(
         add_tick(params, item, fire_at, message_id, "enqueued", "manual", body)
         if target == "outbox":
             del params["priorities"]
-        else:
-            del params["available_ats"]
         statement = "schedule_fire_queue" if target == "queue" else "schedule_fire"
         written = conn.execute(_sql.query(statement, schema_name), params).rowcount
         if written == 1:

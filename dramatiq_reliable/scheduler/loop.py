@@ -6,12 +6,12 @@ the tick row and the advanced ``next_fire_at`` commit together or not at all, so
 at any point loses and doubles nothing: the next loop finds the row still due, or already moved
 on.  The database clock decides what is due, so hosts with skewed clocks agree.
 
-With ``lead_ms`` (outbox target only), a schedule whose overlap policy is ``"allow"`` is claimed
-up to ``lead_ms`` before its fire time and its tick is written *ahead*: the outbox row's
-``available_at`` is the fire time, so the relay publishes it when due, however long the pass
-took.  The other policies decide at the fire time from the run state then (is the last run still
+With ``lead_ms``, a schedule whose overlap policy is ``"allow"`` is claimed up to ``lead_ms``
+before its fire time and its tick is written *ahead*: its message's ``available_at`` (the outbox
+row's, or the ``PostgresBroker`` queue row's) is the fire time, so the relay publishes it, or a
+consumer claims it, when due, however long the pass took.  The other policies decide at the fire time from the run state then (is the last run still
 going?), so their ticks are written only once due.  A tick written ahead has reason ``"ahead"``;
-pausing, disabling or redefining its schedule before the fire time takes it back (its outbox row
+pausing, disabling or redefining its schedule before the fire time takes it back (its message
 and tick row) in the same transaction as the change.
 """
 
@@ -38,7 +38,7 @@ from .._checks import check_choice, check_int, check_ms, is_int
 from .._util import first_line, redact
 from ..backing import SENDS_TO, SendsTo, backing_of
 from ..database import Database, DatabaseLike
-from ..errors import ConfigurationError, SchemaNotReady
+from ..errors import SchemaNotReady
 from ..outbox.wake import wake_relays
 from .policies import plan
 from .registry import Registry, default_registry
@@ -128,11 +128,11 @@ class Scheduler:
       clock: a :class:`SchedulerClock` to read the time from and wait on (simulations and
         tests); by default the database clock decides what is due, so hosts with skewed clocks
         agree.
-      lead_ms: how long before its fire time an ``overlap="allow"`` schedule's tick is written
-        to the outbox, due at the fire time (0: only once due).  A pass over many schedules
-        takes time; writing ahead makes the relay, not the pass, decide when the message goes
-        out, so ticks are on time when thousands fall due at once.  Only with
-        ``target="outbox"`` (not yet with ``PostgresBroker``); see ``docs/scheduling.md``.
+      lead_ms: how long before its fire time an ``overlap="allow"`` schedule's tick is written,
+        due at the fire time (0: only once due).  A pass over many schedules takes time; writing
+        ahead makes the relay or the queue's consumers, not the pass, decide when the message
+        goes out, so ticks are on time when thousands fall due at once; see
+        ``docs/scheduling.md``.
 
     >>> scheduler = Scheduler(database="postgresql://app@localhost/app")   # doctest: +SKIP
     >>> scheduler.sync(); scheduler.run()                                    # doctest: +SKIP
@@ -152,12 +152,6 @@ class Scheduler:
     ) -> None:
         check_choice("target", target, SENDS_TO, fix="or build it with Scheduler.from_broker(broker)")
         check_ms("lead_ms", lead_ms, minimum=0, fix="pass e.g. lead_ms=2000, or 0 to write ticks only once due")
-        if lead_ms and target != "outbox":
-            raise ConfigurationError(
-                f"lead_ms={lead_ms!r} needs target='outbox' (only the outbox's relay publishes a tick written "
-                f"ahead at its fire time, and only there is it taken back by a pause); pass lead_ms=0 with "
-                f"target={target!r}"
-            )
         check_int("batch_size", batch_size, minimum=1, fix="pass e.g. batch_size=500")
         check_ms("poll_interval_ms", poll_interval_ms, minimum=1, fix="pass e.g. poll_interval_ms=1000")
         self.database = Database.of(database)
@@ -187,7 +181,7 @@ class Scheduler:
         """A scheduler on the broker's database and schema, writing where that broker reads.
 
         ``PostgresBroker``: ticks go into its queue table; ``OutboxBroker``: into the outbox.
-        The other arguments are as for the constructor (``lead_ms`` only with ``OutboxBroker``).
+        The other arguments are as for the constructor.
         """
         # The broker's Database is shared: close() leaves it open.
         backing = backing_of(broker, needed_by="Scheduler.from_broker()")
@@ -366,7 +360,6 @@ class Scheduler:
                 advance["last_fire_ats"].append(decision.fire[-1] if decision.fire else None)
             if fire["names"]:
                 if self.target == "queue":
-                    del fire["available_ats"]
                     conn.execute(_sql.query("schedule_fire_queue", self.schema), fire)
                 else:
                     del fire["priorities"]

@@ -31,8 +31,7 @@ class WorkerScheduler(Middleware):
     Parameters:
       stop_timeout_ms: how long worker shutdown waits for the pass in hand.
       registry, batch_size, poll_interval_ms, lead_ms: as for :class:`Scheduler`; database,
-        schema and target come from the broker (``Scheduler.from_broker``; ``lead_ms`` needs an
-        ``OutboxBroker``).
+        schema and target come from the broker (``Scheduler.from_broker``).
 
     >>> broker.add_middleware(WorkerScheduler())      # doctest: +SKIP
     """
