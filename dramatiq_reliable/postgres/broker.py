@@ -102,8 +102,9 @@ class PostgresBroker(RowSending, Broker):
       dead_message_ttl_ms: how long a dead ``.XQ`` row is kept.
       poll_interval_ms: the idle ceiling: the longest sleep of an idle consumer between two
         claims, so the longest a message sent by another process (or a plain ``INSERT``) waits
-        after a quiet spell.  Each idle consumer (one per queue per worker process) costs about
-        ``1000 / (0.75 * poll_interval_ms)`` empty claims a second.
+        after a quiet spell (a delayed row wakes it when due).  Each idle consumer (one per
+        queue per worker process) costs about ``1000 / (0.75 * poll_interval_ms)`` empty claims
+        a second, and as many probes of when the next delayed row falls due.
       middleware: as for any Dramatiq broker.
       listen_database: a direct Postgres URL (or Database) for the ``LISTEN`` connection when
         ``database`` goes through PgBouncer in transaction mode; without it the broker detects

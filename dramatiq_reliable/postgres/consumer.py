@@ -9,7 +9,9 @@ empty one sleeps a short, slowly growing, jittered delay (about 1 ms first, a qu
 each time) up to the broker's ``poll_interval_ms``.  While messages flow, a committed row is
 claimed within a few milliseconds whichever process or plain SQL statement inserted it; the
 first row after a long idle waits at most ``poll_interval_ms``.  No wake-up can be lost for
-longer than that, since the poll is the mechanism, not a fallback.
+longer than that, since the poll is the mechanism, not a fallback.  And a delayed row is
+claimed when due: before a long sleep an idle consumer asks when the queue's next row falls due
+and sleeps only until then (:meth:`PostgresConsumer._until_due`).
 
 Three things end a sleep early and start the backoff again from 1 ms:
 
@@ -58,6 +60,12 @@ if TYPE_CHECKING:
 __all__ = ["wake_consumers"]
 
 logger = logging.getLogger("dramatiq_reliable.postgres")
+
+#: An idle consumer asks when the next delayed row falls due before a sleep this long or longer
+#: (shorter sleeps end sooner than the probe would help).
+PROBE_FROM_S = 0.02
+#: Woken this long after the due time: the claim compares with its own start, a moment later.
+DUE_MARGIN_S = 0.001
 
 _DB_ERRORS = (psycopg.Error, PoolTimeout)
 
@@ -248,11 +256,35 @@ class PostgresConsumer(Consumer):
                         self._empty_claims, ceiling_s=self.broker.poll_interval_ms / 1000, first_s=FIRST_IDLE_S
                     )
                     self._empty_claims += 1
+                    if sleep_s >= PROBE_FROM_S:
+                        sleep_s = self._until_due(sleep_s)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
             if self._wake.wait(remaining if sleep_s is None else min(sleep_s, remaining)):
                 self._empty_claims = 0  # a send or a release here: the row is near, probe fast again
+
+    def _until_due(self, sleep_s: float) -> float:
+        """``sleep_s``, or less if a delayed row falls due sooner: then just past its due time.
+
+        Why: an idle consumer's sleep grows to ``poll_interval_ms``, and a delayed message (a
+        retry's backoff, an ``eta``, a scheduler tick written ahead) sent by another process
+        wakes no one, so it was claimed up to a poll interval late.  One probe before each long
+        sleep (short ones are cheaper than the probe) costs an idle consumer a query per sleep.
+        A row due already (locked by another consumer's claim in flight) does not shorten the
+        sleep, so rows this consumer cannot take never make it spin.
+        """
+        try:
+            with self.broker.database.autocommit() as conn:
+                due_s = queue.next_due_s(conn, self.broker.schema, self.queue_name)
+        except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as error:
+            self.broker.schema_gate.lost(error)
+            return sleep_s
+        except _DB_ERRORS as error:
+            raise ConnectionClosed(error) from error  # type: ignore[no-untyped-call]
+        if due_s is None or due_s <= 0 or due_s + DUE_MARGIN_S >= sleep_s:
+            return sleep_s
+        return due_s + DUE_MARGIN_S
 
     def _schema_ready(self) -> bool:
         try:

@@ -90,6 +90,17 @@ def claim(
     ]
 
 
+def next_due_s(conn: psycopg.Connection[Any], schema: str, queue_name: str) -> float | None:
+    """Seconds until the next row of ``queue_name`` falls due (0 or less: due now; ``None``: the
+    queue is empty), by the server's clock."""
+    row = (
+        conn.cursor(row_factory=dict_row)
+        .execute(_sql.query("queue_next_due", schema), {"queue_name": queue_name})
+        .fetchone()
+    )
+    return None if row is None or row["due_in_s"] is None else float(row["due_in_s"])
+
+
 def _unzip(held: Held) -> dict[str, list[int]]:
     return {"ids": [row_id for row_id, _ in held], "leases": [lease for _, lease in held]}
 

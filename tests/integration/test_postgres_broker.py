@@ -590,3 +590,50 @@ def test_join_flush_and_counts_on_an_unmigrated_schema_name_the_migrate_command(
             broker.counts()
     finally:
         broker.close()
+
+
+def test_the_next_due_probe_sees_every_priority_and_an_empty_queue(
+    pg_broker: PostgresBroker, qname: str, db: Any, db_schema: str
+) -> None:
+    pg_broker.declare_queue(qname)
+    assert queue_sql.next_due_s(db, db_schema, qname) is None
+    for priority, delay_ms in ((0, 60_000), (5, 30_000), (1, 90_000)):
+        queue_sql.insert(
+            db,
+            db_schema,
+            queue_name=qname,
+            message_id=str(uuid.uuid4()),
+            actor_name="job",
+            body=b"{}",
+            priority=priority,
+            eta_ms=int(time.time() * 1000) + delay_ms,
+        )
+    due_s = queue_sql.next_due_s(db, db_schema, qname)
+    assert due_s is not None and 25 < due_s <= 30  # the earliest, whatever its priority
+    assert queue_sql.next_due_s(db, db_schema, qname + "_other") is None
+
+
+def test_an_idle_consumer_wakes_for_a_delayed_message_when_due_not_a_poll_interval_later(
+    database_url: str, db_schema: str, qname: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dramatiq_reliable.postgres import consumer as consumer_module
+
+    # Every idle sleep is now 5-10 minutes: only waking for the due row can claim it in time.
+    monkeypatch.setattr(consumer_module, "FIRST_IDLE_S", 600.0)
+    sender = make_broker(database_url, db_schema)
+    receiver = make_broker(database_url, db_schema, poll_interval_ms=600_000)
+    try:
+        job = dramatiq.actor(lambda: None, actor_name="job", queue_name=qname, broker=sender)
+        receiver.declare_queue(qname)
+        message = job.send_with_options(delay=1000)  # another broker: nothing in the receiver's process wakes it
+        consumer = receiver.consume(qname, timeout=20_000)
+        received: list[Any] = []
+        thread = threading.Thread(target=lambda: received.append(next(consumer)), daemon=True)
+        thread.start()
+        wait_for(lambda: received, timeout_ms=15_000, message="the delayed message was not claimed when due")
+        assert received[0] is not None and received[0].message_id == message.message_id
+        consumer.ack(received[0])
+        consumer.close()
+    finally:
+        sender.close()
+        receiver.close()
