@@ -25,8 +25,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.acceptance]
 APP = Path(__file__).with_name("flow_worker_app.py")
 
 
-def _worker(database_url: str, schema: str, queue: str, **settings: str) -> subprocess.Popen[str]:
-    return start_app(APP, DATABASE_URL=database_url, SCHEMA=schema, QUEUE=queue, **settings)
+def _worker(
+    database_url: str, schema: str, queue: str, *, wait_started: bool = False, **settings: str
+) -> subprocess.Popen[str]:
+    return start_app(APP, wait_started=wait_started, DATABASE_URL=database_url, SCHEMA=schema, QUEUE=queue, **settings)
 
 
 @pytest.fixture
@@ -64,12 +66,18 @@ def test_order_holds_across_two_workers_through_a_retry_and_a_dead_job_that_a_re
     ordered = dramatiq.actor(
         lambda key, n: None, actor_name="ordered", queue_name=queue, broker=sender, order_key=lambda key, n: key
     )
-    with sender.transaction():
-        for n in range(10):
-            for key in ("a", "b", "c"):
-                ordered.send(key, n)
-    workers = [_worker(database_url, db_schema, queue, WORK_MS="10") for _ in range(2)]
+    # Both consuming before the send, one thread each, 100 ms a job: a worker holds at most two
+    # of the three keys' heads (its prefetch), so the other finds the third at its next poll,
+    # and both run jobs however fast either boots (with 4 threads and 10 ms jobs the first
+    # worker up could run all 30 before the second claimed one; it failed CI once so).
+    workers: list[subprocess.Popen[str]] = []
     try:
+        for _ in range(2):
+            workers.append(_worker(database_url, db_schema, queue, wait_started=True, WORK_MS="100", THREADS="1"))
+        with sender.transaction():
+            for n in range(10):
+                for key in ("a", "b", "c"):
+                    ordered.send(key, n)
 
         def finished(key: str) -> list[int]:
             return [r[1] for r in db.execute(runs).fetchall() if r[0] == key and r[3] == "ok"]

@@ -7,6 +7,7 @@ gracefully with :func:`stop_app` and kills it for real with ``process.kill()`` (
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -25,15 +26,30 @@ from dramatiq_reliable import (
 )
 
 
-def start_app(app: Path, **settings: str) -> subprocess.Popen[str]:
-    """Start ``app`` with ``settings`` added to this process's environment."""
-    return subprocess.Popen(
+def start_app(app: Path, *, wait_started: bool = False, **settings: str) -> subprocess.Popen[str]:
+    """Start ``app`` with ``settings`` added to this process's environment.
+
+    ``wait_started``: return once its worker has started (it prints ``started``), so a test
+    that needs every worker consuming before it sends does not depend on how fast each boots.
+    """
+    process = subprocess.Popen(
         [sys.executable, str(app)],
         env={**os.environ, **settings},
         stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if wait_started else subprocess.DEVNULL,
         text=True,
     )
+    if wait_started:
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], _START_TIMEOUT_S)
+        line = process.stdout.readline() if ready else ""
+        if line.strip() != "started":
+            kill_app(process)
+            raise AssertionError(f"{app.name} did not start within {_START_TIMEOUT_S} s (printed {line!r})")
+    return process
+
+
+_START_TIMEOUT_S = 60
 
 
 def stop_app(process: subprocess.Popen[str]) -> None:
@@ -45,8 +61,7 @@ def stop_app(process: subprocess.Popen[str]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
-    if process.stdin is not None:
-        process.stdin.close()
+    _close_pipes(process)
 
 
 def kill_app(process: subprocess.Popen[str]) -> None:
@@ -54,8 +69,13 @@ def kill_app(process: subprocess.Popen[str]) -> None:
     if process.poll() is None:
         process.kill()
         process.wait(timeout=10)
-    if process.stdin is not None:
-        process.stdin.close()
+    _close_pipes(process)
+
+
+def _close_pipes(process: subprocess.Popen[str]) -> None:
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            pipe.close()
 
 
 def chaos_broker(marking: Any, *, lease_ms: int) -> Any:
