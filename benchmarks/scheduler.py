@@ -147,6 +147,20 @@ def _delete_queue(queue: str) -> None:
         connection.close()
 
 
+def _lags_when_settled(schema: str, table: str, unsettled: str, moment: str, *params: float) -> list[float]:
+    """Wait (up to 300 s) until no row of ``table`` is ``unsettled``, then each row's ``moment``
+    less F (the last of ``params``), in ms.  ``unsettled`` and ``moment`` are SQL of this file's own."""
+    with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
+        count = sql.SQL("SELECT count(*) FROM {} WHERE {}").format(sql.Identifier(schema, table), sql.SQL(unsettled))
+        deadline = time.monotonic() + 300
+        while conn.execute(count).fetchone()[0] and time.monotonic() < deadline:  # type: ignore[index]
+            time.sleep(0.1)
+        query = sql.SQL("SELECT extract(epoch FROM {}) - %s FROM {}").format(
+            sql.SQL(moment), sql.Identifier(schema, table)
+        )
+        return [float(r[0]) * 1000 for r in conn.execute(query, params).fetchall()]
+
+
 def bench_loops(
     schedules: int, loops: int, lead_ms: int, relays: int = 0, target: str = "outbox", consumers: int = 0
 ) -> dict[str, float]:
@@ -193,41 +207,18 @@ def bench_loops(
             process.join()
         publish_lags: list[float] = []
         claim_lags: list[float] = []
-        if consumers:
-            with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
-                count = sql.SQL("SELECT count(*) FROM {} WHERE lease IS NULL").format(sql.Identifier(schema, "queue"))
-                deadline = time.monotonic() + 300
-                while conn.execute(count).fetchone()[0] and time.monotonic() < deadline:  # type: ignore[index]
-                    time.sleep(0.1)
-                claim_lags = [
-                    float(r[0]) * 1000
-                    for r in conn.execute(
-                        sql.SQL(
-                            "SELECT extract(epoch FROM available_at - %s * interval '1 millisecond') - %s FROM {}"
-                        ).format(sql.Identifier(schema, "queue")),
-                        (_CLAIM_LEASE_MS, fire_at),
-                    ).fetchall()
-                ]
-            stop_relay.set()
-            for relayer in relayers:
-                relayer.join(timeout=30)
+        if consumers:  # claimed at the lease's start: available_at less the lease
+            claim_lags = _lags_when_settled(
+                schema,
+                "queue",
+                "lease IS NULL",
+                "available_at - %s * interval '1 millisecond'",
+                _CLAIM_LEASE_MS,
+                fire_at,
+            )
         elif relayers:
-            with psycopg.connect(DATABASE_URL, autocommit=True) as conn:
-                count = sql.SQL("SELECT count(*) FROM {} WHERE published_at IS NULL").format(
-                    sql.Identifier(schema, "outbox")
-                )
-                deadline = time.monotonic() + 300
-                while conn.execute(count).fetchone()[0] and time.monotonic() < deadline:  # type: ignore[index]
-                    time.sleep(0.1)
-                publish_lags = [
-                    float(r[0]) * 1000
-                    for r in conn.execute(
-                        sql.SQL("SELECT extract(epoch FROM published_at) - %s FROM {}").format(
-                            sql.Identifier(schema, "outbox")
-                        ),
-                        (fire_at,),
-                    ).fetchall()
-                ]
+            publish_lags = _lags_when_settled(schema, "outbox", "published_at IS NULL", "published_at", fire_at)
+        if relayers:
             stop_relay.set()
             for relayer in relayers:
                 relayer.join(timeout=30)

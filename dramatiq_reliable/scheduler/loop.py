@@ -9,8 +9,9 @@ on.  The database clock decides what is due, so hosts with skewed clocks agree.
 With ``lead_ms``, a schedule whose overlap policy is ``"allow"`` is claimed up to ``lead_ms``
 before its fire time and its tick is written *ahead*: its message's ``available_at`` (the outbox
 row's, or the ``PostgresBroker`` queue row's) is the fire time, so the relay publishes it, or a
-consumer claims it, when due, however long the pass took.  The other policies decide at the fire time from the run state then (is the last run still
-going?), so their ticks are written only once due.  A tick written ahead has reason ``"ahead"``;
+consumer claims it, when due, however long the pass took.  The other policies decide at the
+fire time from the run state then (is the last run still going?), so their ticks are written
+only once due.  A tick written ahead has reason ``"ahead"``;
 pausing, disabling or redefining its schedule before the fire time takes it back (its message
 and tick row) in the same transaction as the change.
 """

@@ -30,13 +30,8 @@ def _rows(db, schema_name: str, table: str, columns: str, where: str = "true") -
 
 @pytest.fixture(params=["outbox", "queue"])
 def target(request) -> str:
-    """Where the ticks go: an OutboxBroker's outbox or a PostgresBroker's queue table."""
+    """Where the ticks go, and the name of that table: an OutboxBroker's outbox or a PostgresBroker's queue."""
     return request.param
-
-
-@pytest.fixture
-def table(target: str) -> str:
-    return target
 
 
 @pytest.fixture
@@ -77,28 +72,28 @@ def _due_in(db, schema_name: str, loop: Scheduler | None = None, seconds: float 
     return fire_at
 
 
-def test_an_allow_tick_is_written_ahead_due_at_its_fire_time_and_once(make_loop, db_schema, db, table):
+def test_an_allow_tick_is_written_ahead_due_at_its_fire_time_and_once(make_loop, db_schema, db, target):
     loop = make_loop(db_schema, _registry())
     loop.sync()
     fire_at = _due_in(db, db_schema, loop)
     assert loop.tick_once().fired == 1
     assert loop.tick_once().fired == 0  # advanced to the next tick, beyond the lead
     message_id = tick_message_id(db_schema, "every-10s", fire_at)
-    assert _rows(db, db_schema, table, "message_id, available_at") == [(message_id, fire_at)]
+    assert _rows(db, db_schema, target, "message_id, available_at") == [(message_id, fire_at)]
     assert _rows(db, db_schema, "schedule_ticks", "fire_at, state, reason") == [(fire_at, "enqueued", "ahead")]
-    ((body,),) = _rows(db, db_schema, table, "body")
+    ((body,),) = _rows(db, db_schema, target, "body")
     assert Message.decode(bytes(body)).message_timestamp == int(fire_at.timestamp() * 1000)
     (next_fire_at,) = _rows(db, db_schema, "schedules", "next_fire_at")[0]
     assert next_fire_at == fire_at + dt.timedelta(milliseconds=INTERVAL_MS)
 
 
-def test_a_skip_policy_tick_is_not_written_ahead(make_loop, db_schema, db, table):
+def test_a_skip_policy_tick_is_not_written_ahead(make_loop, db_schema, db, target):
     # Whether the last run still goes is known only at the fire time.
     loop = make_loop(db_schema, _registry(overlap="skip"))
     loop.sync()
     _due_in(db, db_schema, loop)
     assert loop.tick_once().claimed == 0
-    assert _rows(db, db_schema, table, "message_id") == []
+    assert _rows(db, db_schema, target, "message_id") == []
 
 
 def test_a_buffered_tick_is_fired_but_the_buffer_policys_next_tick_is_not_written_ahead(make_loop, db_schema, db):
@@ -116,14 +111,14 @@ def test_a_buffered_tick_is_fired_but_the_buffer_policys_next_tick_is_not_writte
 
 
 def test_pause_takes_back_a_tick_written_ahead_and_resume_writes_it_again_once(
-    make_loop, database_url, db_schema, db, table
+    make_loop, database_url, db_schema, db, target
 ):
     loop = make_loop(db_schema, _registry())
     loop.sync()
     fire_at = _due_in(db, db_schema, loop, seconds=20)
     assert loop.tick_once().fired == 1
     pause_schedule(database_url, "every-10s", schema=db_schema)
-    assert _rows(db, db_schema, table, "message_id") == []
+    assert _rows(db, db_schema, target, "message_id") == []
     assert _rows(db, db_schema, "schedule_ticks", "fire_at") == []
     assert loop.tick_once().claimed == 0
     resume_schedule(database_url, "every-10s", schema=db_schema)
@@ -131,12 +126,12 @@ def test_pause_takes_back_a_tick_written_ahead_and_resume_writes_it_again_once(
     # (same message id) once, with any tick before it, each once.
     while loop.tick_once().fired:
         pass
-    ids = [message_id for (message_id,) in _rows(db, db_schema, table, "message_id")]
+    ids = [message_id for (message_id,) in _rows(db, db_schema, target, "message_id")]
     assert ids.count(tick_message_id(db_schema, "every-10s", fire_at)) == 1
     assert len(set(ids)) == len(ids)
 
 
-def test_a_tick_already_due_is_not_taken_back_by_a_pause(make_loop, database_url, db_schema, db, table):
+def test_a_tick_already_due_is_not_taken_back_by_a_pause(make_loop, database_url, db_schema, db, target):
     # Due before the pause: it would have been written without a lead too, so it stays.
     loop = make_loop(db_schema, _registry())
     loop.sync()
@@ -144,25 +139,25 @@ def test_a_tick_already_due_is_not_taken_back_by_a_pause(make_loop, database_url
     fired = loop.tick_once().fired
     assert fired >= 1
     pause_schedule(database_url, "every-10s", schema=db_schema)
-    assert len(_rows(db, db_schema, table, "message_id")) == fired
+    assert len(_rows(db, db_schema, target, "message_id")) == fired
 
 
-def test_a_redefined_schedule_fires_its_tick_written_ahead_with_the_new_arguments(make_loop, db_schema, db, table):
+def test_a_redefined_schedule_fires_its_tick_written_ahead_with_the_new_arguments(make_loop, db_schema, db, target):
     loop = make_loop(db_schema, _registry(args=(1,)))
     loop.sync()
     fire_at = _due_in(db, db_schema, loop, seconds=20)
     assert loop.tick_once().fired == 1
     changed, _ = make_loop(db_schema, _registry(args=(2,))).sync()
     assert changed == ["every-10s"]
-    assert _rows(db, db_schema, table, "message_id") == []
+    assert _rows(db, db_schema, target, "message_id") == []
     # Same timing: rewound to the retracted tick, which now carries the new arguments.
     assert loop.tick_once().fired == 1
-    ((body,),) = _rows(db, db_schema, table, "body")
+    ((body,),) = _rows(db, db_schema, target, "body")
     assert b'"args":[2]' in bytes(body)
     assert _rows(db, db_schema, "schedule_ticks", "fire_at") == [(fire_at,)]
 
 
-def test_a_schedule_removed_from_code_takes_back_its_tick_written_ahead(make_loop, db_schema, db, table):
+def test_a_schedule_removed_from_code_takes_back_its_tick_written_ahead(make_loop, db_schema, db, target):
     registry = _registry()
     schedule("other", actor="tick", queue_name="q", every_ms=INTERVAL_MS, registry=registry)
     loop = make_loop(db_schema, registry)
@@ -172,10 +167,10 @@ def test_a_schedule_removed_from_code_takes_back_its_tick_written_ahead(make_loo
     registry.remove("every-10s")
     _, disabled = make_loop(db_schema, registry).sync()
     assert disabled == ["every-10s"]
-    assert _rows(db, db_schema, table, "message_id") == []
+    assert _rows(db, db_schema, target, "message_id") == []
 
 
-def test_three_loops_writing_ahead_write_each_tick_once_due_at_its_fire_time(make_loop, db_schema, db, table):
+def test_three_loops_writing_ahead_write_each_tick_once_due_at_its_fire_time(make_loop, db_schema, db, target):
     registry = Registry()
     for n in range(20):
         schedule(f"s{n}", actor="tick", queue_name="q", every_ms=1000, overlap="allow", registry=registry)
@@ -194,7 +189,7 @@ def test_three_loops_writing_ahead_write_each_tick_once_due_at_its_fire_time(mak
     for thread in threads:
         thread.join(timeout=60)
     ticks = _rows(db, db_schema, "schedule_ticks", "message_id, fire_at, reason")
-    outbox = dict(_rows(db, db_schema, table, "message_id, available_at"))
+    outbox = dict(_rows(db, db_schema, target, "message_id, available_at"))
     assert len(ticks) >= 20 * 10
     assert len(outbox) == len(ticks) == len({message_id for message_id, _, _ in ticks})  # one row per tick
     ahead = [(message_id, fire_at) for message_id, fire_at, reason in ticks if reason == "ahead"]
